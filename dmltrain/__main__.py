@@ -1,0 +1,7 @@
+"""``python -m dmltrain``: the same as the ``dmltrain`` command."""
+
+import sys
+
+from dmltrain.cli import main
+
+sys.exit(main())

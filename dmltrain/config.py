@@ -1,0 +1,171 @@
+"""Configuration: one frozen dataclass per concern, composed into ``TrainConfig``.
+
+Every field carries its ``help`` text (used for the CLI flag) and is validated in
+``__post_init__``. ``TrainConfig`` inherits the concern dataclasses, so its fields are
+flat: ``TrainConfig(epochs=3, data_dir="data")``, ``--epochs 3``, and ``epochs: 3`` in a
+config file all name the same setting.
+
+Config files (YAML or JSON) hold a flat mapping of field names (``batch_size`` or
+``batch-size``) to values; experiment options live in the same mapping.
+"""
+
+import dataclasses
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from dmltrain.errors import ConfigError
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class LoopConfig:
+    """The training loop: length, batch, optimiser defaults, seed, logging."""
+
+    epochs: int = field(default=10, metadata={"help": "number of training epochs"})
+    batch_size: int = field(
+        default=64,
+        metadata={"help": "batch size per process (global batch = batch size x world size)"},
+    )
+    lr: float = field(default=1e-3, metadata={"help": "learning rate of the default optimizer"})
+    optimizer: Literal["adam", "adamw", "sgd"] = field(
+        default="adam",
+        metadata={"help": "default optimizer, used unless create_optimizer is overridden"},
+    )
+    weight_decay: float = field(
+        default=0.0, metadata={"help": "weight decay of the default optimizer"}
+    )
+    seed: int = field(default=0, metadata={"help": "random seed (model init, data order, dropout)"})
+    run_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "directory for everything the run writes "
+            "(default: runs/<experiment>-<job id or time>)"
+        },
+    )
+    log_every: int = field(default=50, metadata={"help": "report training metrics every N steps"})
+    progress: Literal["auto", "bar", "log", "off"] = field(
+        default="auto",
+        metadata={"help": "progress display: a bar on a terminal, log lines otherwise (auto)"},
+    )
+
+    def __post_init__(self) -> None:
+        _check(self.epochs >= 1, f"--epochs must be at least 1 (got {self.epochs})")
+        _check(self.batch_size >= 1, f"--batch-size must be at least 1 (got {self.batch_size})")
+        _check(self.lr > 0, f"--lr must be positive (got {self.lr})")
+        _check(self.weight_decay >= 0, f"--weight-decay must be >= 0 (got {self.weight_decay})")
+        _check(self.log_every >= 1, f"--log-every must be at least 1 (got {self.log_every})")
+        _check(self.run_dir != "", "--run-dir must not be empty")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where data lives and how it is loaded."""
+
+    data_dir: str = field(default="data", metadata={"help": "directory holding the dataset"})
+    num_workers: int = field(
+        default=0,
+        metadata={"help": "DataLoader worker processes (0 loads in the training process)"},
+    )
+
+    def __post_init__(self) -> None:
+        _check(self.num_workers >= 0, f"--num-workers must be >= 0 (got {self.num_workers})")
+
+
+# The concern dataclasses, in the order their flag groups appear in --help.
+CONCERNS: tuple[tuple[str, type], ...] = (("training", LoopConfig), ("data", DataConfig))
+
+
+@dataclass(frozen=True)
+class TrainConfig(LoopConfig, DataConfig):
+    """Everything ``BaseTrainer`` needs: the union of the concern dataclasses."""
+
+    def __post_init__(self) -> None:
+        for _, concern in CONCERNS:
+            concern.__post_init__(self)  # type: ignore[attr-defined]
+
+
+def field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
+def coerce(value: Any, annotation: Any, key: str, source: str) -> Any:
+    """Convert a value read from a config file to a field's type, or explain why not."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if value is None:
+            return None
+        return coerce(value, options[0], key, source)
+    if origin is Literal:
+        choices = typing.get_args(annotation)
+        if value not in choices:
+            raise ConfigError(f"{source}: '{key}' must be one of {list(choices)} (got {value!r})")
+        return value
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        str: isinstance(value, str),
+    }.get(annotation, True)
+    if not ok:
+        name = getattr(annotation, "__name__", str(annotation))
+        raise ConfigError(f"{source}: '{key}' must be of type {name} (got {value!r})")
+    return float(value) if annotation is float else value
+
+
+def load_config_file(path: str, classes: list[type]) -> dict[str, Any]:
+    """Read a flat YAML/JSON mapping and check every key against the given dataclasses."""
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        text = file.read_text()
+        data = json.loads(text) if file.suffix == ".json" else yaml.safe_load(text)
+    except (OSError, ValueError, yaml.YAMLError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"config file {path} cannot be parsed: {first}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of option names to values")
+    hints = {}
+    for cls in classes:
+        hints.update(typing.get_type_hints(cls))
+    values = {}
+    for raw_key, value in data.items():
+        key = str(raw_key).replace("-", "_")
+        if key not in hints or key == "config":
+            known = ", ".join(sorted(hints))
+            raise ConfigError(f"config file {path}: unknown key '{raw_key}' (known keys: {known})")
+        values[key] = coerce(value, hints[key], str(raw_key), f"config file {path}")
+    return values
+
+
+def to_yaml(groups: list[tuple[str, Any]]) -> str:
+    """The resolved config as flat YAML, one commented section per concern; loadable by --config."""
+    parts = []
+    for title, instance in groups:
+        names = (
+            [f.name for f in dataclasses.fields(instance)]
+            if dataclasses.is_dataclass(instance)
+            else []
+        )
+        section = {name: getattr(instance, name) for name in names}
+        if section:
+            parts.append(f"# {title}\n" + yaml.safe_dump(section, sort_keys=False))
+    return "\n".join(parts)
+
+
+def section(instance: Any, cls: type) -> Any:
+    """The part of ``instance`` (a TrainConfig) that belongs to concern ``cls``, as ``cls``."""
+    return cls(**{name: getattr(instance, name) for name in field_names(cls)})

@@ -1,0 +1,67 @@
+"""What a person watching the run sees: a tqdm bar on a terminal, log lines in batch jobs.
+
+Only the main rank prints. Step metrics are read (one device sync) every ``log_every``
+steps, never in between.
+"""
+
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TextIO
+
+from tqdm import tqdm
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+class Progress:
+    def __init__(self, mode: str, enabled: bool, log_every: int, stream: TextIO | None = None):
+        self.stream = stream or sys.stdout
+        if mode == "auto":
+            mode = "bar" if sys.stderr.isatty() else "log"
+        self.mode = mode if enabled else "off"
+        self.enabled = enabled
+        self.log_every = log_every
+        self._bar: Any = None
+        self._last_time = 0.0
+        self._last_samples = 0
+
+    def info(self, message: str) -> None:
+        if self.enabled:
+            print(message, file=self.stream, flush=True)
+
+    def epoch(self, batches: Iterable[Any], epoch: int, epochs: int, total: int) -> Iterator[Any]:
+        self._epoch, self._epochs, self._total = epoch, epochs, total
+        self._last_time, self._last_samples = time.perf_counter(), 0
+        if self.mode == "bar":
+            self._bar = tqdm(batches, total=total, desc=f"epoch {epoch}/{epochs}", leave=False)
+            yield from self._bar
+            self._bar.close()
+            self._bar = None
+        else:
+            yield from batches
+
+    def step(self, step: int, samples: int, read_metrics: Callable[[], dict[str, float]]) -> None:
+        """Called after every step; syncs and reports only at the log interval."""
+        if self.mode == "off" or (step % self.log_every and step != self._total):
+            return
+        now = time.perf_counter()
+        rate = (samples - self._last_samples) / max(now - self._last_time, 1e-9)
+        self._last_time, self._last_samples = now, samples
+        metrics = read_metrics()
+        if self._bar is not None:
+            self._bar.set_postfix({k: _fmt(v) for k, v in metrics.items()}, refresh=False)
+        elif self.mode == "log":
+            shown = " ".join(f"{k} {_fmt(v)}" for k, v in metrics.items())
+            self.info(
+                f"epoch {self._epoch}/{self._epochs} step {step}/{self._total} "
+                f"{shown} {rate:.0f} samples/s"
+            )
+
+    def epoch_summary(self, row: dict[str, Any]) -> None:
+        shown = " ".join(f"{k} {_fmt(v)}" for k, v in row.items() if k != "epoch")
+        self.info(f"epoch {row['epoch']}/{self._epochs} {shown}")

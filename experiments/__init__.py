@@ -1,0 +1,1 @@
+"""Experiments bundled with dmltrain, each exposed via the dmltrain.experiments entry point."""

@@ -1,0 +1,92 @@
+"""MNIST: the classic CNN (conv32-conv64-maxpool-dropout-fc128-fc10) trained with Adam.
+
+``dmltrain mnist --epochs 10`` reaches about 97% test accuracy on the bundled sample
+and about 99% on full MNIST.
+"""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dmltrain import BaseTrainer, register_experiment
+from experiments import mnist_data
+
+
+@dataclass(frozen=True)
+class MnistOptions:
+    mirrors: str = field(
+        default=",".join(mnist_data.MIRRORS),
+        metadata={"help": "comma-separated base URLs to download full MNIST from"},
+    )
+    download: bool = field(
+        default=True, metadata={"help": "do not try to download MNIST when it is missing"}
+    )
+    sample_fallback: bool = field(
+        default=True,
+        metadata={"help": "fail instead of training on the bundled 5,000-digit sample"},
+    )
+    download_timeout: float = field(
+        default=30.0, metadata={"help": "seconds to wait for a mirror before trying the next"}
+    )
+
+    def __post_init__(self) -> None:
+        if self.download_timeout <= 0:
+            from dmltrain import ConfigError
+
+            raise ConfigError(f"--download-timeout must be positive (got {self.download_timeout})")
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 32, 3)
+        self.conv2 = nn.Conv2d(32, 64, 3)
+        self.dropout1 = nn.Dropout(0.25)
+        self.fc1 = nn.Linear(9216, 128)
+        self.dropout2 = nn.Dropout(0.5)
+        self.fc2 = nn.Linear(128, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.conv1(x))
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        x = torch.flatten(self.dropout1(x), 1)
+        x = self.dropout2(F.relu(self.fc1(x)))
+        return self.fc2(x)
+
+
+class MnistTrainer(BaseTrainer):
+    name = "mnist"
+    options: MnistOptions
+
+    def create_model(self) -> nn.Module:
+        return Net()
+
+    def create_datasets(self):
+        options = self.options or MnistOptions()
+        mirrors = [m.strip() for m in options.mirrors.split(",") if m.strip()]
+        train, test, _ = mnist_data.load(
+            Path(self.config.data_dir),
+            mirrors,
+            options.download,
+            options.sample_fallback,
+            options.download_timeout,
+        )
+        return train, test
+
+    def train_step(self, batch):
+        images, labels = batch
+        return F.cross_entropy(self.model(images), labels)
+
+    def val_step(self, batch):
+        images, labels = batch
+        logits = self.model(images)
+        accuracy = (logits.argmax(dim=1) == labels).float().mean()
+        return {"loss": F.cross_entropy(logits, labels), "acc": accuracy}
+
+
+EXPERIMENT = register_experiment(
+    "mnist", MnistTrainer, MnistOptions, help="the classic CNN on MNIST (bundled sample offline)"
+)

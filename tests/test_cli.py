@@ -1,0 +1,171 @@
+import shutil
+import subprocess
+import textwrap
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from conftest import cli_env, run_cli
+from dmltrain import BaseTrainer, register_experiment
+from dmltrain.cli import main, parse
+from dmltrain.training_log import read_training_log
+from tiny import EXPERIMENT as TINY
+
+
+@dataclass(frozen=True)
+class SquareOptions:
+    width: int = field(default=4, metadata={"help": "hidden width"})
+
+
+class SquareTrainer(BaseTrainer):
+    def create_model(self):
+        return nn.Sequential(
+            nn.Linear(1, self.options.width), nn.ReLU(), nn.Linear(self.options.width, 1)
+        )
+
+    def create_datasets(self):
+        x = torch.linspace(-1, 1, 64).unsqueeze(1)
+        return TensorDataset(x, x**2), None
+
+    def train_step(self, batch):
+        return F.mse_loss(self.model(batch[0]), batch[1])
+
+
+SQUARE = register_experiment("square", SquareTrainer, SquareOptions, help="fit x^2")
+
+
+def test_custom_experiment_through_main(tmp_path):
+    run = tmp_path / "run"
+    code = main(
+        ["square", "--epochs", "2", "--width", "8", "--run-dir", str(run), "--progress", "off"],
+        experiments=[SQUARE],
+    )
+    assert code == 0
+    rows = read_training_log(run / "training_log.csv")
+    assert [r["epoch"] for r in rows] == [1, 2]
+    assert "width: 8" in (run / "config.yaml").read_text()
+
+
+def test_experiment_from_an_outside_package_entry_point(tmp_path):
+    """A package that is not dmltrain adds a subcommand via the entry-point group."""
+    (tmp_path / "outside_exp.py").write_text(
+        textwrap.dedent("""
+        import torch, torch.nn.functional as F
+        from torch.utils.data import TensorDataset
+        from dmltrain import BaseTrainer, register_experiment
+
+        class Outside(BaseTrainer):
+            def create_model(self):
+                return torch.nn.Linear(2, 1)
+            def create_datasets(self):
+                x = torch.randn(40, 2)
+                return TensorDataset(x, x.sum(1, keepdim=True)), None
+            def train_step(self, batch):
+                return F.mse_loss(self.model(batch[0]), batch[1])
+
+        EXPERIMENT = register_experiment("outside", Outside, help="from another package")
+    """)
+    )
+    info = tmp_path / "outside_exp-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: outside-exp\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(
+        "[dmltrain.experiments]\noutside = outside_exp:EXPERIMENT\n"
+    )
+    env = cli_env(PYTHONPATH=str(tmp_path))
+    dmltrain = shutil.which("dmltrain")
+    assert dmltrain, "the dmltrain console script is not installed"
+    listing = subprocess.run([dmltrain, "--help"], env=env, capture_output=True, text=True)
+    assert "outside" in listing.stdout and "mnist" in listing.stdout
+    done = subprocess.run(
+        [dmltrain, "outside", "--epochs", "1", "--run-dir", str(tmp_path / "r")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "r" / "training_log.csv").is_file()
+
+
+def test_config_file_then_flags(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("epochs: 2\nlr: 0.5\nbatch_size: 8\nsamples: 20\n")
+    experiment, config, options = parse(
+        ["tiny", "--config", str(path), "--lr", "0.25", "--features", "3"], {"tiny": TINY}
+    )
+    assert experiment is TINY
+    assert (config.epochs, config.lr, config.batch_size, config.seed) == (2, 0.25, 8, 0)
+    assert (options.samples, options.features) == (20, 3)
+
+
+def test_resolved_config_is_written_and_printed(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text('{"epochs": 1, "batch-size": 8}')
+    run = tmp_path / "run"
+    done = run_cli(
+        "tiny", "--config", str(path), "--seed", "7", "--run-dir", str(run), cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    written = (run / "config.yaml").read_text()
+    for line in ("epochs: 1", "batch_size: 8", "seed: 7", f"run_dir: {run}", "samples: 96"):
+        assert line in written and line in done.stdout
+    # The written file is itself a valid --config.
+    again = parse(["tiny", "--config", str(run / "config.yaml")], {"tiny": TINY})
+    assert again[1].seed == 7 and again[1].run_dir == str(run)
+
+
+BAD_INPUT = [
+    (["nosuch"], "invalid choice: 'nosuch' (choose from"),
+    (["tiny", "--epochs", "-1"], "--epochs must be at least 1"),
+    (["tiny", "--lr", "abc"], "invalid float value: 'abc'"),
+    (["tiny", "--optimizer", "rmsprop"], "invalid choice: 'rmsprop'"),
+    (["tiny", "--config", "CFG", "--epochs", "1"], "unknown key 'epochz'"),
+    (["tiny", "--config", "MISSING.yaml"], "does not exist"),
+    (
+        ["mnist", "--data-dir", "DATA", "--no-download", "--no-sample-fallback"],
+        "MNIST files not found in",
+    ),
+]
+
+
+@pytest.mark.parametrize(("args", "message"), BAD_INPUT)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
+    (tmp_path / "CFG").write_text("epochz: 3\n")
+    args = [str(tmp_path / a) if a in ("CFG", "MISSING.yaml", "DATA") else a for a in args]
+    done = (
+        run_cli(*args, "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+        if len(args) > 1
+        else run_cli(*args, cwd=tmp_path)
+    )
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert message in lines[0] and "Traceback" not in done.stderr
+    if args[0] == "nosuch":
+        assert "mnist" in lines[0] and "tiny" in lines[0]
+
+
+def test_wrong_type_in_config_file_names_key_and_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("batch_size: big\n")
+    done = run_cli("tiny", "--config", str(path), cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        f"dmltrain: error: config file {path}: 'batch_size' must be of type int (got 'big')"
+    )
+
+
+def test_register_rejects_options_that_shadow_builtins():
+    @dataclass(frozen=True)
+    class Clash:
+        epochs: int = 1
+
+    with pytest.raises(ValueError, match="epochs"):
+        register_experiment("clash", SquareTrainer, Clash)
+    with pytest.raises(TypeError):
+        register_experiment("notatrainer", object)  # type: ignore[arg-type]

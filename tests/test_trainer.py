@@ -1,0 +1,147 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dmltrain import DistInfo, TrainConfig, UserError
+from dmltrain.trainer import batch_size_of, to_device
+from dmltrain.training_log import read_training_log
+from tiny import TinyOptions, TinyTrainer
+
+
+def fit(tmp_path, trainer_cls=TinyTrainer, name="run", options=None, **config):
+    config.setdefault("epochs", 3)
+    config.setdefault("batch_size", 16)
+    config.setdefault("lr", 0.05)
+    trainer = trainer_cls(
+        TrainConfig(run_dir=str(tmp_path / name), progress="off", **config), options
+    )
+    rows = trainer.fit()
+    return trainer, rows
+
+
+def test_programmatic_fit_writes_run_dir(tmp_path):
+    trainer, rows = fit(tmp_path)
+    run = tmp_path / "run"
+    assert (run / "config.yaml").is_file()
+    log = read_training_log(run / "training_log.csv")
+    assert [r["epoch"] for r in log] == [1, 2, 3]
+    assert list(log[0]) == ["epoch", "train_loss", "val_loss", "lr", "epoch_time_s"]
+    assert log[-1]["train_loss"] < log[0]["train_loss"]
+    assert [r["train_loss"] for r in rows] == [r["train_loss"] for r in log]
+    assert trainer.global_step == 3 * math.ceil(96 / 16)
+
+
+def test_same_seed_same_weights_other_seed_differs(tmp_path):
+    a, rows_a = fit(tmp_path, name="a", seed=3)
+    b, rows_b = fit(tmp_path, name="b", seed=3)
+    c, _ = fit(tmp_path, name="c", seed=4)
+    for pa, pb in zip(a.model.parameters(), b.model.parameters(), strict=True):
+        assert torch.equal(pa, pb)
+    assert [r["train_loss"] for r in rows_a] == [r["train_loss"] for r in rows_b]
+    assert not torch.equal(next(a.model.parameters()), next(c.model.parameters()))
+
+
+def test_validation_metrics_are_sample_weighted(tmp_path):
+    # 32 validation samples in batches of 24 and 8: a plain mean of batch means would be wrong.
+    trainer, rows = fit(tmp_path, epochs=1, batch_size=24)
+    x, y = trainer.val_loader.dataset.tensors
+    with torch.no_grad():
+        expected = F.mse_loss(trainer.model(x), y).item()
+    assert rows[0]["val_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+class StepLRTrainer(TinyTrainer):
+    def create_scheduler(self, optimizer):
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+
+def test_scheduler_steps_each_epoch(tmp_path):
+    _, rows = fit(tmp_path, StepLRTrainer, lr=0.08)
+    assert [r["lr"] for r in rows] == pytest.approx([0.08, 0.04, 0.02])
+
+
+class PerStepTrainer(StepLRTrainer):
+    scheduler_interval = "step"
+
+
+def test_scheduler_can_step_each_step(tmp_path):
+    _trainer, rows = fit(tmp_path, PerStepTrainer, lr=0.08, epochs=2)
+    # The lr column is the rate at the end of the epoch's training: 6 steps per epoch.
+    assert [r["lr"] for r in rows] == pytest.approx([0.08 * 0.5**6, 0.08 * 0.5**12])
+
+
+class HookTrainer(TinyTrainer):
+    def on_train_start(self):
+        self.events = ["start"]
+
+    def on_epoch_start(self, epoch):
+        self.events.append(f"epoch_start {epoch}")
+
+    def on_epoch_end(self, epoch, metrics):
+        self.events.append(f"epoch_end {epoch} {metrics['epoch']}")
+
+    def on_train_end(self):
+        self.events.append("end")
+
+
+def test_hooks_run_in_order(tmp_path):
+    trainer, _ = fit(tmp_path, HookTrainer, epochs=2)
+    assert trainer.events == [
+        "start",
+        "epoch_start 0",
+        "epoch_end 0 1",
+        "epoch_start 1",
+        "epoch_end 1 2",
+        "end",
+    ]
+
+
+class MetricTrainer(TinyTrainer):
+    def train_step(self, batch):
+        loss = super().train_step(batch)
+        return loss, {"abs_err": (self.model(batch[0]) - batch[1]).abs().mean()}
+
+
+def test_step_metrics_reach_the_log(tmp_path):
+    _, rows = fit(tmp_path, MetricTrainer, epochs=1)
+    assert {"train_loss", "train_abs_err", "val_loss", "val_abs_err"} <= set(rows[0])
+
+
+def test_sgd_and_adamw_from_config(tmp_path):
+    trainer, _ = fit(tmp_path, name="sgd", optimizer="sgd", epochs=1)
+    assert isinstance(trainer.optimizer, torch.optim.SGD)
+    trainer, _ = fit(tmp_path, name="adamw", optimizer="adamw", epochs=1, weight_decay=0.1)
+    assert isinstance(trainer.optimizer, torch.optim.AdamW)
+
+
+def test_existing_run_is_never_overwritten(tmp_path):
+    fit(tmp_path, epochs=1)
+    before = (tmp_path / "run" / "training_log.csv").read_bytes()
+    with pytest.raises(UserError, match="already holds a run"):
+        fit(tmp_path, epochs=2)
+    assert (tmp_path / "run" / "training_log.csv").read_bytes() == before
+
+
+def test_default_run_dir_uses_job_id(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = TrainConfig(epochs=1, progress="off")
+    trainer = TinyTrainer(config, dist=DistInfo(job_id="4242"))
+    trainer.fit()
+    assert (tmp_path / "runs" / "tiny-4242" / "training_log.csv").is_file()
+    assert trainer.config.run_dir == "runs/tiny-4242"
+
+
+def test_empty_training_set_is_a_user_error(tmp_path):
+    with pytest.raises(UserError, match="training dataset is empty"):
+        fit(tmp_path, options=TinyOptions(samples=0))
+
+
+def test_nested_batches_move_and_count():
+    batch = {"x": torch.zeros(5, 2), "meta": [torch.ones(5), "id"]}
+    moved = to_device(batch, torch.device("cpu"))
+    assert moved["meta"][1] == "id" and torch.equal(moved["x"], batch["x"])
+    assert batch_size_of(batch) == 5
+    with pytest.raises(UserError):
+        batch_size_of(["a", "b"])
