@@ -19,6 +19,7 @@ from tiny import EXPERIMENT as TINY
 @dataclass(frozen=True)
 class SquareOptions:
     width: int = field(default=4, metadata={"help": "hidden width"})
+    note: str | None = field(default=None, metadata={"help": "a PEP 604 optional field"})
 
 
 class SquareTrainer(BaseTrainer):
@@ -41,13 +42,14 @@ SQUARE = register_experiment("square", SquareTrainer, SquareOptions, help="fit x
 def test_custom_experiment_through_main(tmp_path):
     run = tmp_path / "run"
     code = main(
-        ["square", "--epochs", "2", "--width", "8", "--run-dir", str(run), "--progress", "off"],
+        ["square", "--epochs", "2", "--width", "8", "--note", "hello", "--run-dir", str(run)],
         experiments=[SQUARE],
     )
     assert code == 0
     rows = read_training_log(run / "training_log.csv")
     assert [r["epoch"] for r in rows] == [1, 2]
-    assert "width: 8" in (run / "config.yaml").read_text()
+    written = (run / "config.yaml").read_text()
+    assert "width: 8" in written and "note: hello" in written
 
 
 def test_experiment_from_an_outside_package_entry_point(tmp_path):
