@@ -1,0 +1,68 @@
+"""The README's commands and its experiment example work as written."""
+
+import re
+import subprocess
+import sys
+
+from conftest import ROOT, cli_env
+from dmltrain import TrainConfig
+from dmltrain.training_log import read_training_log
+
+README = (ROOT / "README.md").read_text()
+
+
+def _example_source() -> str:
+    part = README.split("## Writing your own experiment", 1)[1]
+    return re.search(r"```python\n(.*?)```", part, re.S).group(1)
+
+
+def test_readme_opens_with_the_two_commands():
+    block = re.search(r"## Two commands.*?```bash\n(.*?)```", README, re.S).group(1)
+    commands = [line for line in block.splitlines() if line and not line.startswith("#")]
+    assert commands == [
+        "pip install torch==2.13.0 -e . && dmltrain mnist --epochs 1",
+        "bash tests/run.sh",
+    ]
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "bash tests/run.sh" in ci
+
+
+def test_example_runs_from_the_command_line(tmp_path):
+    (tmp_path / "my_experiment.py").write_text(_example_source())
+    run = tmp_path / "run"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "my_experiment.py",
+            "line",
+            "--epochs",
+            "20",
+            "--lr",
+            "0.1",
+            "--batch-size",
+            "32",
+            "--run-dir",
+            str(run),
+        ],
+        cwd=tmp_path,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = read_training_log(run / "training_log.csv")
+    assert len(rows) == 20 and rows[-1]["val_loss"] < 0.02
+
+
+def test_example_runs_from_a_notebook(tmp_path, monkeypatch):
+    namespace: dict = {"__name__": "notebook"}
+    exec(compile(_example_source(), "README example", "exec"), namespace)
+    trainer = namespace["LineTrainer"](
+        TrainConfig(epochs=20, lr=0.1, batch_size=32, run_dir=str(tmp_path / "nb"), progress="off"),
+        namespace["LineOptions"](),
+    )
+    rows = trainer.fit()
+    weight, bias = trainer.model.weight.item(), trainer.model.bias.item()
+    assert abs(weight - 3) < 0.1 and abs(bias - 1) < 0.1, (weight, bias)
+    assert rows[-1]["val_loss"] < 0.02
