@@ -29,3 +29,11 @@ def test_non_main_rank_prints_and_syncs_nothing():
     out = io.StringIO()
     reads = _run(Progress("log", enabled=False, log_every=1, stream=out))
     assert out.getvalue() == "" and reads == []
+
+
+def test_bar_mode_draws_tqdm_on_stderr_and_keeps_stdout_for_summaries(capsys):
+    out = io.StringIO()
+    reads = _run(Progress("bar", enabled=True, log_every=2, stream=out))
+    assert len(reads) == 3
+    assert "epoch 1/1" in capsys.readouterr().err  # tqdm's description
+    assert out.getvalue().splitlines() == ["epoch 1/1 train_loss 0.5"]
