@@ -23,7 +23,7 @@ from typing import Any, NoReturn
 import argparse_dataclass
 
 from dmltrain.config import CONCERNS, TrainConfig, field_names, load_config_file
-from dmltrain.errors import UserError
+from dmltrain.errors import UserError, run_reporting_errors
 from dmltrain.trainer import BaseTrainer
 
 ENTRY_POINT_GROUP = "dmltrain.experiments"
@@ -180,12 +180,8 @@ def main(argv: Sequence[str] | None = None, experiments: Sequence[Experiment] = 
     try:
         experiment, config, options = parse(argv, known)
         trainer = experiment.trainer_cls(config, options)
-        trainer.name = experiment.name
-        trainer.fit()
     except UserError as exc:
         print(f"dmltrain: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("dmltrain: interrupted", file=sys.stderr)
-        return 130
-    return 0
+    trainer.name = experiment.name
+    return run_reporting_errors(trainer.fit, trainer.dist.rank, trainer.dist.world_size)

@@ -22,7 +22,7 @@ import yaml
 from dmltrain.errors import ConfigError
 
 
-def _check(ok: bool, message: str) -> None:
+def check(ok: bool, message: str) -> None:
     if not ok:
         raise ConfigError(message)
 
@@ -59,12 +59,12 @@ class LoopConfig:
     )
 
     def __post_init__(self) -> None:
-        _check(self.epochs >= 1, f"--epochs must be at least 1 (got {self.epochs})")
-        _check(self.batch_size >= 1, f"--batch-size must be at least 1 (got {self.batch_size})")
-        _check(self.lr > 0, f"--lr must be positive (got {self.lr})")
-        _check(self.weight_decay >= 0, f"--weight-decay must be >= 0 (got {self.weight_decay})")
-        _check(self.log_every >= 1, f"--log-every must be at least 1 (got {self.log_every})")
-        _check(self.run_dir != "", "--run-dir must not be empty")
+        check(self.epochs >= 1, f"--epochs must be at least 1 (got {self.epochs})")
+        check(self.batch_size >= 1, f"--batch-size must be at least 1 (got {self.batch_size})")
+        check(self.lr > 0, f"--lr must be positive (got {self.lr})")
+        check(self.weight_decay >= 0, f"--weight-decay must be >= 0 (got {self.weight_decay})")
+        check(self.log_every >= 1, f"--log-every must be at least 1 (got {self.log_every})")
+        check(self.run_dir != "", "--run-dir must not be empty")
 
 
 @dataclass(frozen=True)
@@ -78,15 +78,45 @@ class DataConfig:
     )
 
     def __post_init__(self) -> None:
-        _check(self.num_workers >= 0, f"--num-workers must be >= 0 (got {self.num_workers})")
-
-
-# The concern dataclasses, in the order their flag groups appear in --help.
-CONCERNS: tuple[tuple[str, type], ...] = (("training", LoopConfig), ("data", DataConfig))
+        check(self.num_workers >= 0, f"--num-workers must be >= 0 (got {self.num_workers})")
 
 
 @dataclass(frozen=True)
-class TrainConfig(LoopConfig, DataConfig):
+class DistConfig:
+    """How processes are started and talk to each other."""
+
+    launcher: Literal["auto", "single", "spawn", "torchrun", "slurm", "mpi", "horovod"] = field(
+        default="auto", metadata={"help": "how this process was started (auto: detect)"}
+    )
+    nprocs: int = field(
+        default=1, metadata={"help": "start N local worker processes (no external launcher)"}
+    )
+    strategy: Literal["auto", "single", "ddp", "fsdp", "horovod"] = field(
+        default="auto", metadata={"help": "auto: horovod under horovodrun, ddp for >1 process"}
+    )
+    backend: Literal["auto", "nccl", "gloo", "mpi"] = field(
+        default="auto", metadata={"help": "collective backend (auto: nccl with CUDA, else gloo)"}
+    )
+    dist_timeout: float = field(
+        default=60.0,
+        metadata={"help": "seconds a rank waits for the others before giving up"},
+    )
+
+    def __post_init__(self) -> None:
+        check(self.nprocs >= 1, f"--nprocs must be at least 1 (got {self.nprocs})")
+        check(self.dist_timeout > 0, f"--dist-timeout must be positive (got {self.dist_timeout})")
+
+
+# The concern dataclasses, in the order their flag groups appear in --help.
+CONCERNS: tuple[tuple[str, type], ...] = (
+    ("training", LoopConfig),
+    ("data", DataConfig),
+    ("distributed", DistConfig),
+)
+
+
+@dataclass(frozen=True)
+class TrainConfig(LoopConfig, DataConfig, DistConfig):
     """Everything ``BaseTrainer`` needs: the union of the concern dataclasses."""
 
     def __post_init__(self) -> None:

@@ -4,6 +4,10 @@ The CLI turns a ``UserError`` into one line on stderr and exit code 2; library c
 raises it with a message that says what is wrong and what to do instead.
 """
 
+import sys
+import traceback
+from collections.abc import Callable
+
 
 class UserError(Exception):
     """Bad input (flag, config file, data, checkpoint, environment) with a fix in its message."""
@@ -11,3 +15,55 @@ class UserError(Exception):
 
 class ConfigError(UserError, ValueError):
     """A configuration value or file that cannot be used."""
+
+
+class RankFailed(Exception):
+    """A worker process failed; the others were stopped. ``exit_code`` is the worker's."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def run_reporting_errors(fn: Callable[[], object], rank: int, world_size: int) -> int:
+    """Run ``fn``; turn failures into one clear message on stderr and an exit code.
+
+    Bad input: exit 2. A lost peer (another rank died): exit 1 with a line saying so.
+    Anything else is a bug: the traceback, then a line naming this rank, exit 1.
+    """
+    who = f"[rank {rank}] " if world_size > 1 else ""
+    try:
+        fn()
+    except UserError as exc:
+        print(f"dmltrain: error: {who}{exc}", file=sys.stderr, flush=True)
+        return 2
+    except RankFailed as exc:
+        print(f"dmltrain: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code or 1
+    except KeyboardInterrupt:
+        print(f"dmltrain: {who}interrupted", file=sys.stderr, flush=True)
+        return 130
+    except Exception as exc:
+        if world_size > 1 and _is_lost_peer(exc):
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            print(
+                f"dmltrain: {who}stopping: lost contact with another rank, which failed or "
+                f"was killed ({first})",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 1
+        traceback.print_exc()
+        print(f"dmltrain: {who}failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def _is_lost_peer(exc: BaseException) -> bool:
+    """A collective that failed because a peer went away or timed out."""
+    import torch.distributed as dist
+
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc)
+    return any(s in text for s in ("Connection closed by peer", "Connection reset", "timed out"))

@@ -1,12 +1,35 @@
 """Who am I in this job? The only module that reads environment variables.
 
-Everything else receives the frozen ``DistInfo`` this module produces.
+One small detector per launcher turns the environment into a frozen ``DistInfo``.
+With ``--launcher auto`` they are tried in this order, first match wins:
+
+1. ``torchrun``  - ``TORCHELASTIC_RUN_ID`` or ``RANK``+``WORLD_SIZE``+``LOCAL_RANK``
+   (first, so ``torchrun`` inside an ``srun`` step is torchrun, not Slurm);
+2. ``horovod``   - ``HOROVOD_RANK`` (``horovodrun`` with its Gloo controller; under
+   ``horovodrun --mpi`` the MPI detector matches and ``--strategy horovod`` is needed);
+3. ``slurm``     - ``SLURM_PROCID`` inside an ``srun`` step (``SLURM_STEP_ID`` set and no
+   ``SLURM_PTY_PORT``): an ``sbatch`` shell without ``srun``, ``salloc`` and
+   ``srun --pty bash`` are single-process unless ``--launcher slurm`` says otherwise;
+4. ``mpi``       - OpenMPI (``OMPI_COMM_WORLD_*``), MPICH/Cray PALS (``PMI_RANK``,
+   ``PMI_SIZE``, ``PALS_LOCAL_RANKID`` or ``MPI_LOCALRANKID``);
+5. ``spawn``     - ``--nprocs N`` with N > 1 and none of the above: this process starts N
+   local workers itself;
+6. ``single``    - one process.
 """
 
 import os
-from dataclasses import dataclass
+import re
+import socket
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 
 import torch
+
+from dmltrain.errors import RankFailed, UserError, run_reporting_errors
+
+Env = Mapping[str, str]
+DEFAULT_PORT = 29500
 
 
 @dataclass(frozen=True)
@@ -19,7 +42,7 @@ class DistInfo:
     local_world_size: int = 1
     node_rank: int = 0
     master_addr: str = "127.0.0.1"
-    master_port: int = 29500
+    master_port: int = DEFAULT_PORT
     launcher: str = "single"
     device: str = "cpu"
     job_id: str | None = None
@@ -29,26 +52,274 @@ class DistInfo:
         return self.rank == 0
 
     @property
+    def is_local_main(self) -> bool:
+        return self.local_rank == 0
+
+    @property
     def distributed(self) -> bool:
         return self.world_size > 1
 
 
 def default_device(local_rank: int = 0) -> str:
-    """One process per GPU: local rank N uses cuda:N; CPU when CUDA is absent."""
-    return f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+    """One process per GPU: local rank N uses cuda:N; the CPU when CUDA is absent."""
+    if not torch.cuda.is_available():
+        return "cpu"
+    return f"cuda:{local_rank % max(torch.cuda.device_count(), 1)}"
 
 
-def job_id(env: dict[str, str] | None = None) -> str | None:
+def job_id(env: Env | None = None) -> str | None:
     """The batch system's id for this job (Slurm array tasks as ``<array id>_<task id>``)."""
-    env = dict(os.environ) if env is None else env
-    if "SLURM_ARRAY_JOB_ID" in env and "SLURM_ARRAY_TASK_ID" in env:
+    env = os.environ if env is None else env
+    if env.get("SLURM_ARRAY_JOB_ID") and env.get("SLURM_ARRAY_TASK_ID"):
         return f"{env['SLURM_ARRAY_JOB_ID']}_{env['SLURM_ARRAY_TASK_ID']}"
-    for key in ("SLURM_JOB_ID", "PBS_JOBID"):
-        if env.get(key):
+    for key in ("SLURM_JOB_ID", "PBS_JOBID", "TORCHELASTIC_RUN_ID"):
+        if env.get(key) and env[key] != "none":
             return env[key].split(".")[0]
     return None
 
 
-def single_process(env: dict[str, str] | None = None) -> DistInfo:
+def expand_hostlist(hostlist: str) -> list[str]:
+    """Expand Slurm's compressed host list: ``node[01-02,07],gpu1`` -> node01 node02 node07 gpu1."""
+    hosts: list[str] = []
+    for term in re.findall(r"(?:[^,\[]|\[[^\]]*\])+", hostlist):
+        expanded = [""]
+        for text, ranges in re.findall(r"([^\[]*)(?:\[([^\]]*)\])?", term):
+            items = [text]
+            if ranges:
+                items = []
+                for part in ranges.split(","):
+                    low, _, high = part.partition("-")
+                    width = len(low)
+                    for n in range(int(low), int(high or low) + 1):
+                        items.append(text + str(n).zfill(width))
+            expanded = [head + item for head in expanded for item in items]
+        hosts += [host for host in expanded if host]
+    return hosts
+
+
+def _tasks_on_node(tasks_per_node: str, node: int) -> int:
+    """Slurm's ``2(x3),1`` form: how many tasks run on node number ``node``."""
+    counts: list[int] = []
+    for part in tasks_per_node.split(","):
+        match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
+        if match is None:
+            raise UserError(f"cannot parse SLURM_TASKS_PER_NODE={tasks_per_node!r}")
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts[min(node, len(counts) - 1)]
+
+
+def _port(env: Env, job: str | None) -> int:
+    if env.get("MASTER_PORT"):
+        return int(env["MASTER_PORT"])
+    if job:  # two jobs sharing a node get different ports
+        digits = re.sub(r"\D", "", job)[-6:] or "0"
+        return 15000 + int(digits) % 20000
+    return DEFAULT_PORT
+
+
+def _info(
+    env: Env,
+    launcher: str,
+    rank: int,
+    world: int,
+    local_rank: int,
+    local_world: int,
+    node_rank: int,
+    addr: str,
+) -> DistInfo:
+    job = job_id(env)
+    return DistInfo(
+        rank=rank,
+        local_rank=local_rank,
+        world_size=world,
+        local_world_size=local_world,
+        node_rank=node_rank,
+        master_addr=addr,
+        master_port=_port(env, job),
+        launcher=launcher,
+        device=default_device(local_rank),
+        job_id=job,
+    )
+
+
+def _int(env: Env, *keys: str) -> int | None:
+    for key in keys:
+        if env.get(key, "") != "":
+            return int(env[key])
+    return None
+
+
+def from_torchrun(env: Env) -> DistInfo | None:
+    if not ("TORCHELASTIC_RUN_ID" in env or {"RANK", "WORLD_SIZE", "LOCAL_RANK"} <= set(env)):
+        return None
+    rank, world = _int(env, "RANK") or 0, _int(env, "WORLD_SIZE") or 1
+    local_world = _int(env, "LOCAL_WORLD_SIZE") or world
+    node = _int(env, "GROUP_RANK", "NODE_RANK")
+    return _info(
+        env,
+        "torchrun",
+        rank,
+        world,
+        _int(env, "LOCAL_RANK") or 0,
+        local_world,
+        rank // local_world if node is None else node,
+        env.get("MASTER_ADDR", "127.0.0.1"),
+    )
+
+
+def from_horovod(env: Env) -> DistInfo | None:
+    if "HOROVOD_RANK" not in env:
+        return None
+    rank, world = _int(env, "HOROVOD_RANK") or 0, _int(env, "HOROVOD_SIZE") or 1
+    local_world = _int(env, "HOROVOD_LOCAL_SIZE") or world
+    return _info(
+        env,
+        "horovod",
+        rank,
+        world,
+        _int(env, "HOROVOD_LOCAL_RANK") or 0,
+        local_world,
+        _int(env, "HOROVOD_CROSS_RANK") or 0,
+        env.get("MASTER_ADDR", "127.0.0.1"),
+    )
+
+
+def from_slurm(env: Env, require_step: bool = True) -> DistInfo | None:
+    if "SLURM_PROCID" not in env:
+        return None
+    if require_step and ("SLURM_STEP_ID" not in env or "SLURM_PTY_PORT" in env):
+        return None  # an sbatch shell, salloc or an interactive srun --pty session
+    world = _int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS") or 1
+    node = _int(env, "SLURM_NODEID") or 0
+    per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or str(world)
+    nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
+    addr = env.get("MASTER_ADDR") or expand_hostlist(nodes)[0]
+    return _info(
+        env,
+        "slurm",
+        _int(env, "SLURM_PROCID") or 0,
+        world,
+        _int(env, "SLURM_LOCALID") or 0,
+        _tasks_on_node(per_node, node),
+        node,
+        addr,
+    )
+
+
+def from_mpi(env: Env) -> DistInfo | None:
+    rank = _int(env, "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK")
+    world = _int(env, "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+    if rank is None or world is None:
+        return None
+    local_rank = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", "PALS_LOCAL_RANKID", "MPI_LOCALRANKID")
+    local_world = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", "PALS_LOCAL_SIZE", "MPI_LOCALNRANKS")
+    if local_rank is None:
+        local_rank, local_world = rank, world  # no per-node information: assume one node
+    local_world = local_world or world
+    addr = env.get("MASTER_ADDR")
+    if addr is None and env.get("PBS_NODEFILE") and os.path.isfile(env["PBS_NODEFILE"]):
+        with open(env["PBS_NODEFILE"]) as handle:
+            addr = handle.readline().strip() or None
+    if addr is None:
+        if local_world != world:
+            raise UserError("MPI launch across nodes: export MASTER_ADDR=<first node's address>")
+        addr = "127.0.0.1"
+    return _info(env, "mpi", rank, world, local_rank, local_world, rank // local_world, addr)
+
+
+DETECTORS: dict[str, Callable[[Env], DistInfo | None]] = {
+    "torchrun": from_torchrun,
+    "horovod": from_horovod,
+    "slurm": from_slurm,
+    "mpi": from_mpi,
+}
+_NEEDS = {
+    "torchrun": "RANK, WORLD_SIZE and LOCAL_RANK (start it with torchrun)",
+    "horovod": "HOROVOD_RANK (start it with horovodrun)",
+    "slurm": "SLURM_PROCID (start it with srun inside an allocation)",
+    "mpi": "OMPI_COMM_WORLD_RANK or PMI_RANK (start it with mpirun or mpiexec)",
+}
+
+
+def detect(launcher: str = "auto", nprocs: int = 1, env: Env | None = None) -> DistInfo:
+    """The ``DistInfo`` of this process for ``--launcher`` and ``--nprocs``.
+
+    For ``spawn`` this is the parent's view (rank 0 of ``nprocs``); ``spawned`` gives each
+    worker its own.
+    """
+    env = os.environ if env is None else env
+    if launcher in DETECTORS:
+        detector = DETECTORS[launcher]
+        info = from_slurm(env, require_step=False) if launcher == "slurm" else detector(env)
+        if info is None:
+            raise UserError(f"--launcher {launcher} needs {_NEEDS[launcher]}")
+    elif launcher == "auto":
+        info = next((i for d in DETECTORS.values() if (i := d(env)) is not None), None)
+    else:
+        info = None
+    if info is not None:
+        if nprocs > 1:
+            raise UserError(
+                f"--nprocs starts workers itself; under {info.launcher} drop it and let "
+                "the launcher start the processes"
+            )
+        return info
+    if launcher == "spawn" or (launcher == "auto" and nprocs > 1):
+        return replace(
+            single_process(env),
+            launcher="spawn",
+            world_size=nprocs,
+            local_world_size=nprocs,
+            master_port=free_port(),
+        )
+    return single_process(env)
+
+
+def single_process(env: Env | None = None) -> DistInfo:
     """A plain ``python`` run: one process, rank 0, the first GPU or the CPU."""
     return DistInfo(device=default_device(0), job_id=job_id(env))
+
+
+def spawned(parent: DistInfo, local_rank: int) -> DistInfo:
+    """The ``DistInfo`` of worker ``local_rank`` started by a ``spawn`` parent."""
+    return replace(
+        parent, rank=local_rank, local_rank=local_rank, device=default_device(local_rank)
+    )
+
+
+def free_port() -> int:
+    """A TCP port that is free now (the OS picks it; bound briefly, then released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def hostname() -> str:
+    return socket.gethostname()
+
+
+def spawn(nprocs: int, fn: Callable[..., None], args: tuple) -> None:
+    """Run ``fn(local_rank, *args)`` in ``nprocs`` fresh processes and wait for all.
+
+    When one fails, torch.multiprocessing stops the others; the failure is re-raised as
+    ``RankFailed`` naming the rank that failed first.
+    """
+    import torch.multiprocessing as mp
+
+    try:
+        mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="spawn")
+    except mp.ProcessExitedException as exc:
+        how = f"killed by {exc.signal_name}" if exc.signal_name else f"exit code {exc.exit_code}"
+        raise RankFailed(
+            f"rank {exc.error_index} failed first ({how}); the other ranks were stopped",
+            exc.exit_code if exc.exit_code and exc.exit_code > 0 else 1,
+        ) from None
+    except mp.ProcessRaisedException as exc:
+        raise RankFailed(f"rank {exc.error_index} failed first: {exc}", 1) from None
+
+
+def exit_on_error(fn: Callable[[], object], rank: int, world_size: int) -> None:
+    """A worker's main: run ``fn`` and leave the process with its exit code."""
+    code = run_reporting_errors(fn, rank, world_size)
+    if code:
+        sys.exit(code)

@@ -1,16 +1,20 @@
 """``BaseTrainer``: the experiment supplies model, data and one step's loss; this runs the loop.
 
 Data loading policy (documented in the README):
-- training batches are shuffled with a generator seeded by ``seed + epoch``, so the data
-  order is a function of the seed and the epoch, and the last, smaller batch is kept
-  (``drop_last=False``): every sample is seen once per epoch;
-- validation batches are never shuffled or dropped;
+- training batches come from one global permutation seeded by ``seed + epoch``; rank r of
+  w takes every w-th sample of it (``DistributedSampler``), so for the same global batch
+  (``batch_size`` x world size) every world size sees the same samples in each step. The
+  last, smaller batch is kept (``drop_last=False``); with w processes the sampler pads
+  the epoch to a multiple of w by repeating its first samples;
+- validation is sharded without padding (rank r takes samples r, r+w, ...) and never
+  shuffled, so validation metrics are exact sample-weighted means;
 - ``pin_memory`` is on when training on CUDA; workers persist across epochs when used.
 """
 
 import abc
 import dataclasses
 import random
+import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -19,15 +23,16 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset, RandomSampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from dmltrain import launch
-from dmltrain.config import CONCERNS, TrainConfig, section, to_yaml
+from dmltrain.config import CONCERNS, DistConfig, TrainConfig, section, to_yaml
+from dmltrain.distributed import Strategy, create_strategy
 from dmltrain.errors import UserError
 from dmltrain.launch import DistInfo
 from dmltrain.metrics import MetricAccumulator
 from dmltrain.progress import Progress
-from dmltrain.training_log import TrainingLog
+from dmltrain.training_log import TrainingLog, read_training_log
 
 StepOutput = Tensor | tuple[Tensor, Mapping[str, Tensor | float]]
 
@@ -75,6 +80,17 @@ class BaseTrainer(abc.ABC):
     name = "experiment"  # run directories default to runs/<name>-<job id or time>
     scheduler_interval = "epoch"  # or "step": when the LR scheduler steps
 
+    # Set by setup(), before the first epoch.
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    train_loader: DataLoader
+    val_loader: DataLoader | None
+    strategy: Strategy
+    progress: Progress
+    training_log: TrainingLog
+    run_dir: Path
+
     def __init__(
         self,
         config: TrainConfig | None = None,
@@ -84,10 +100,13 @@ class BaseTrainer(abc.ABC):
     ) -> None:
         self.config = config if config is not None else TrainConfig()
         self.options = options
-        self.dist = dist if dist is not None else launch.single_process()
+        if dist is None:
+            dist = launch.detect(self.config.launcher, self.config.nprocs)
+        self.dist = dist
         self.device = torch.device(self.dist.device)
         self.epoch = 0
         self.global_step = 0
+        self._spawned_worker = False
 
     # ----- what an experiment provides -------------------------------------------------
     @abc.abstractmethod
@@ -119,9 +138,20 @@ class BaseTrainer(abc.ABC):
         loss, metrics = split_step_output(self.train_step(batch))
         return {"loss": loss, **metrics}
 
+    def prepare_data(self) -> None:
+        """Download or unpack data; runs on one process per node before create_datasets."""
+
+    def fsdp_units(self, model: nn.Module) -> list[nn.Module]:
+        """Modules that become FSDP units (then the root): children that own parameters."""
+        return [child for child in model.children() if any(True for _ in child.parameters())]
+
     def create_dataloader(self, dataset: Dataset, train: bool) -> DataLoader:
         cfg = self.config
-        sampler = RandomSampler(dataset, generator=self._data_generator) if train else None  # type: ignore[arg-type]
+        sampler: Sampler[int] = (
+            self.strategy.train_sampler(dataset, cfg.seed)
+            if train
+            else self.strategy.val_sampler(dataset)
+        )
         return DataLoader(
             dataset,
             batch_size=cfg.batch_size,
@@ -146,9 +176,23 @@ class BaseTrainer(abc.ABC):
         """Called once after the last epoch."""
 
     # ----- the loop ------------------------------------------------------------------------
+    def warn(self, message: str) -> None:
+        """A warning on stderr; ranks other than 0 prefix theirs with their rank."""
+        prefix = "" if self.dist.is_main else f"[rank {self.dist.rank}] "
+        print(f"{prefix}WARNING: {message}", file=sys.stderr, flush=True)
+
     def fit(self) -> list[dict[str, Any]]:
         """Train for ``config.epochs`` epochs; returns the training log's rows."""
-        self.setup()
+        if self.dist.launcher == "spawn" and not self._spawned_worker:
+            return self._spawn_workers()
+        try:
+            self.setup()
+            return self._fit()
+        finally:
+            if hasattr(self, "strategy"):
+                self.strategy.teardown()
+
+    def _fit(self) -> list[dict[str, Any]]:
         self.on_train_start()
         for epoch in range(self.epoch, self.config.epochs):
             self.epoch = epoch
@@ -173,7 +217,9 @@ class BaseTrainer(abc.ABC):
 
     def train_epoch(self, epoch: int) -> dict[str, float]:
         self.model.train()
-        self._data_generator.manual_seed(self.config.seed + epoch)
+        sampler = self.train_loader.sampler
+        if hasattr(sampler, "set_epoch"):
+            sampler.set_epoch(epoch)
         metrics = MetricAccumulator(self.device)
         batches = self.progress.epoch(
             self.train_loader, epoch + 1, self.config.epochs, len(self.train_loader)
@@ -181,40 +227,53 @@ class BaseTrainer(abc.ABC):
         for step, batch in enumerate(batches, start=1):
             batch = to_device(batch, self.device)
             loss, step_metrics = split_step_output(self.train_step(batch))
-            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.zero_grad()  # set_to_none is the default
             loss.backward()
             self.optimizer.step()
             if self.scheduler is not None and self.scheduler_interval == "step":
                 self.scheduler.step()
             self.global_step += 1
             metrics.update({"loss": loss, **step_metrics}, batch_size_of(batch))
-            self.progress.step(step, metrics.count, metrics.compute)
-        return metrics.compute()
+            self.progress.step(step, metrics.count, metrics.compute)  # rank 0's running mean
+        return metrics.compute(self.strategy.all_reduce_sum)
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
+        """Validation on each rank's shard; the DDP wrapper is bypassed (no collectives)."""
         assert self.val_loader is not None
-        self.model.eval()
-        metrics = MetricAccumulator(self.device)
-        for batch in self.val_loader:
-            batch = to_device(batch, self.device)
-            metrics.update(self.val_step(batch), batch_size_of(batch))
-        return metrics.compute()
+        wrapped, self.model = self.model, self.strategy.eval_model(self.model)
+        try:
+            self.model.eval()
+            metrics = MetricAccumulator(self.device)
+            for batch in self.val_loader:
+                batch = to_device(batch, self.device)
+                metrics.update(self.val_step(batch), batch_size_of(batch))
+        finally:
+            self.model = wrapped
+        return metrics.compute(self.strategy.all_reduce_sum)
 
     # ----- setup -----------------------------------------------------------------------------
     def setup(self) -> None:
-        """Run directory, seed, model, data, optimizer: everything ``fit`` needs."""
+        """Processes, run directory, model, data, optimizer: everything ``fit`` needs."""
+        self.strategy = create_strategy(self.dist, section(self.config, DistConfig))
+        self.dist = self.strategy.setup()
+        self.device = torch.device(self.dist.device)
         self.progress = Progress(self.config.progress, self.dist.is_main, self.config.log_every)
         self.run_dir = self._prepare_run_dir()
-        seed_everything(self.config.seed)
-        self.model = self.create_model().to(self.device)
+        torch.manual_seed(self.config.seed)  # the same initial weights on every rank
+        model = self.create_model().to(self.device)
+        seed_everything(self.config.seed + self.dist.rank)  # per-rank dropout, augmentation
+        self.model = self.strategy.wrap_model(model, self.fsdp_units(model))
+        if self.dist.is_local_main:
+            self.prepare_data()
+        self.strategy.barrier()
         train_set, val_set = self.create_datasets()
         if len(train_set) == 0:  # type: ignore[arg-type]
             raise UserError("the training dataset is empty: check --data-dir")
-        self._data_generator = torch.Generator()
         self.train_loader = self.create_dataloader(train_set, train=True)
         self.val_loader = None if val_set is None else self.create_dataloader(val_set, False)
-        self.optimizer = self.create_optimizer(self.model)
+        optimizer = self.create_optimizer(self.model)
+        self.optimizer = self.strategy.wrap_optimizer(optimizer, self.model)
         self.scheduler = self.create_scheduler(self.optimizer)
         self.training_log = TrainingLog(self.run_dir / "training_log.csv")
 
@@ -224,21 +283,55 @@ class BaseTrainer(abc.ABC):
             groups.append((f"{self.name} options", self.options))
         return to_yaml(groups)
 
+    def _default_run_dir(self) -> str:
+        stamp = self.dist.job_id or time.strftime("%Y%m%d-%H%M%S")
+        return f"runs/{self.name}-{stamp}"
+
     def _prepare_run_dir(self) -> Path:
-        run_dir = self.config.run_dir
-        if run_dir is None:
-            stamp = self.dist.job_id or time.strftime("%Y%m%d-%H%M%S")
-            run_dir = f"runs/{self.name}-{stamp}"
-        path = Path(run_dir)
-        if (path / "training_log.csv").exists():
-            raise UserError(
-                f"run directory {path} already holds a run (training_log.csv); "
-                "pass a new --run-dir to start another"
-            )
-        self.config = dataclasses.replace(self.config, run_dir=str(path))
+        """Rank 0 chooses and checks the run directory; every rank gets its decision."""
+        decision: tuple[str, str | None] = ("", None)
         if self.dist.is_main:
-            path.mkdir(parents=True, exist_ok=True)
+            path = Path(self.config.run_dir or self._default_run_dir())
+            error = None
+            if (path / "training_log.csv").exists():
+                error = (
+                    f"run directory {path} already holds a run (training_log.csv); "
+                    "pass a new --run-dir to start another"
+                )
+            decision = (str(path), error)
+        run_dir, error = self.strategy.broadcast_object(decision)
+        if error:
+            raise UserError(error)
+        self.config = dataclasses.replace(self.config, run_dir=run_dir)
+        if self.dist.is_main:
+            Path(run_dir).mkdir(parents=True, exist_ok=True)
             text = self.resolved_config_yaml()
-            (path / "config.yaml").write_text(text)
-            self.progress.info(f"dmltrain: {self.name} -> {path}\n{text.rstrip()}")
-        return path
+            (Path(run_dir) / "config.yaml").write_text(text)
+            self.progress.info(f"dmltrain: {self.name} -> {run_dir}\n{text.rstrip()}")
+        return Path(run_dir)
+
+    def _spawn_workers(self) -> list[dict[str, Any]]:
+        """``--nprocs N``: start N workers here and wait; one failing stops the others."""
+        config = dataclasses.replace(
+            self.config, run_dir=self.config.run_dir or self._default_run_dir()
+        )
+        launch.spawn(
+            self.dist.world_size,
+            _spawned_fit,
+            (type(self), self.name, config, self.options, self.dist),
+        )
+        return read_training_log(Path(str(config.run_dir)) / "training_log.csv")
+
+
+def _spawned_fit(
+    local_rank: int,
+    trainer_cls: type,
+    name: str,
+    config: TrainConfig,
+    options: Any,
+    parent: DistInfo,
+) -> None:
+    trainer = trainer_cls(config, options, dist=launch.spawned(parent, local_rank))
+    trainer.name = name
+    trainer._spawned_worker = True
+    launch.exit_on_error(trainer.fit, trainer.dist.rank, trainer.dist.world_size)

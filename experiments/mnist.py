@@ -64,15 +64,25 @@ class MnistTrainer(BaseTrainer):
     def create_model(self) -> nn.Module:
         return Net()
 
-    def create_datasets(self):
+    def prepare_data(self) -> None:
+        """One process per node downloads full MNIST when it is missing."""
         options = self.options or MnistOptions()
         mirrors = [m.strip() for m in options.mirrors.split(",") if m.strip()]
+        if options.download:
+            self.download_error = mnist_data.fetch(
+                Path(self.config.data_dir), mirrors, options.download_timeout
+            )
+
+    def create_datasets(self):
+        options = self.options or MnistOptions()
+        why = "downloading is off (--no-download)"
+        if options.download:
+            why = getattr(self, "download_error", None) or "it could not be downloaded"
         train, test, _ = mnist_data.load(
             Path(self.config.data_dir),
-            mirrors,
-            options.download,
             options.sample_fallback,
-            options.download_timeout,
+            why,
+            warn=self.warn if self.dist.is_main else None,
         )
         return train, test
 

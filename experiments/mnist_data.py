@@ -7,9 +7,9 @@ Order: the files in ``data_dir`` (gzipped or not) -> download of full MNIST into
 import gzip
 import hashlib
 import os
-import sys
 import tempfile
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -126,35 +126,34 @@ def _tensors(images: np.ndarray, labels: np.ndarray) -> TensorDataset:
     return TensorDataset(x, torch.from_numpy(labels.astype(np.int64)))
 
 
+def fetch(data_dir: Path, mirrors: list[str], timeout: float = 30.0) -> str | None:
+    """Download full MNIST into ``data_dir`` unless its files are there; why not, or None."""
+    if find_files(data_dir) is not None:
+        return None
+    try:
+        download(data_dir, mirrors, FULL_MNIST_MD5, timeout)
+    except OSError as exc:
+        return str(exc)
+    return None
+
+
 def load(
-    data_dir: Path,
-    mirrors: list[str],
-    download_allowed: bool,
-    sample_fallback: bool,
-    timeout: float = 30.0,
+    data_dir: Path, sample_fallback: bool, why_missing: str, warn: Callable[[str], None] | None
 ) -> tuple[TensorDataset, TensorDataset, str]:
-    """(train, test, source): source is the directory the files were read from."""
+    """(train, test, source): the files in ``data_dir``, else the bundled sample."""
     files = find_files(data_dir)
-    reason = "downloading is off (--no-download)"
-    if files is None and download_allowed:
-        try:
-            download(data_dir, mirrors, FULL_MNIST_MD5, timeout)
-        except OSError as exc:
-            reason = str(exc)
-        files = find_files(data_dir)
     if files is None:
         if not sample_fallback:
             raise UserError(
-                f"MNIST files not found in {data_dir} and {reason}; put the four IDX files there "
-                "or allow the download or the bundled sample"
+                f"MNIST files not found in {data_dir} and {why_missing}; put the four IDX "
+                "files there or allow the download or the bundled sample"
             )
-        print(
-            f"WARNING: full MNIST is not in {data_dir} and {reason}; training on the bundled "
-            f"5,000-digit sample instead. For full MNIST put the four IDX files in {data_dir} "
-            "or rerun with network access.",
-            file=sys.stderr,
-            flush=True,
-        )
+        if warn is not None:
+            warn(
+                f"full MNIST is not in {data_dir} and {why_missing}; training on the bundled "
+                f"5,000-digit sample instead. For full MNIST put the four IDX files in "
+                f"{data_dir} or rerun with network access."
+            )
         files = find_files(SAMPLE_DIR)
         assert files is not None, f"bundled sample missing from {SAMPLE_DIR}"
         data_dir = SAMPLE_DIR

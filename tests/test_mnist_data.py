@@ -77,26 +77,31 @@ def test_wrong_md5_leaves_no_file_and_next_mirror_is_tried(tmp_path, http_dir):
     assert sorted(p.name for p in dest.iterdir()) == sorted(SAMPLE_MD5)
 
 
-def test_failed_download_falls_back_to_sample_with_warning(tmp_path, http_dir, capsys):
+def test_failed_download_falls_back_to_sample_with_warning(tmp_path, http_dir):
     served, url = http_dir
     _serve_sample(served)  # the sample's bytes do not match full MNIST's MD5s
-    train, test, source = mnist_data.load(tmp_path / "data", [url], True, True, timeout=10)
+    why = mnist_data.fetch(tmp_path / "data", [url], timeout=10)
+    assert why is not None and "MD5" in why
+    warnings = []
+    train, test, source = mnist_data.load(tmp_path / "data", True, why, warnings.append)
     assert (len(train), len(test)) == (4000, 1000)
     assert source == str(mnist_data.SAMPLE_DIR)
-    warning = capsys.readouterr().err.strip().splitlines()
-    assert len(warning) == 1 and "bundled 5,000-digit sample" in warning[0] and "MD5" in warning[0]
+    assert len(warnings) == 1 and "bundled 5,000-digit sample" in warnings[0]
+    assert "MD5" in warnings[0] and "\n" not in warnings[0]
     assert list((tmp_path / "data").iterdir()) == []
     with pytest.raises(UserError, match="MNIST files not found"):
-        mnist_data.load(tmp_path / "data", [url], True, False, timeout=10)
+        mnist_data.load(tmp_path / "data", False, why, None)
 
 
-def test_files_in_data_dir_are_used_without_download(tmp_path, capsys):
+def test_files_in_data_dir_are_used_without_download(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
     for name in SAMPLE_MD5:
         (data / name.removesuffix(".gz")).write_bytes(gzip.decompress((SAMPLE / name).read_bytes()))
-    train, _test, source = mnist_data.load(data, ["http://127.0.0.1:9/"], False, False)
+    assert mnist_data.fetch(data, ["http://127.0.0.1:9/"]) is None  # present: nothing fetched
+    warnings = []
+    train, _test, source = mnist_data.load(data, False, "unused", warnings.append)
     assert source == str(data) and len(train) == 4000
     x, _y = train.tensors
     assert x.shape == (4000, 1, 28, 28) and abs(x.mean().item()) < 0.2
-    assert capsys.readouterr().err == ""
+    assert warnings == []

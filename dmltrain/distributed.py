@@ -1,0 +1,252 @@
+"""Distributed strategies: process-group setup, model wrapping, samplers and reductions.
+
+``--strategy``: ``single`` (one process), ``ddp`` (DistributedDataParallel), ``fsdp``
+(FSDP2 ``fully_shard``) or ``horovod``; ``auto`` picks horovod under ``horovodrun``, ddp
+for more than one process and single otherwise. ``--backend auto`` is NCCL with CUDA and
+Gloo on the CPU.
+
+FSDP wrap policy: every direct child module that owns parameters becomes its own FSDP
+unit, then the root; an experiment can name other units by overriding
+``BaseTrainer.fsdp_units``.
+"""
+
+import datetime
+from collections.abc import Callable, Iterator
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils.data import Dataset, DistributedSampler, Sampler
+
+from dmltrain.config import DistConfig
+from dmltrain.errors import UserError
+from dmltrain.launch import DistInfo, default_device
+
+
+class ShardSampler(Sampler[int]):
+    """Rank r of w takes samples r, r+w, r+2w, ...: no padding, so metrics stay exact."""
+
+    def __init__(self, dataset: Dataset, rank: int, world_size: int) -> None:
+        self.indices = range(rank, len(dataset), world_size)  # type: ignore[arg-type]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.indices)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+
+class Strategy:
+    """One process, nothing to synchronise. The base of the distributed strategies."""
+
+    name = "single"
+
+    def __init__(self, info: DistInfo, config: DistConfig) -> None:
+        self.info = info
+        self.config = config
+
+    def setup(self) -> DistInfo:
+        return self.info
+
+    def wrap_model(self, model: nn.Module, units: list[nn.Module]) -> nn.Module:
+        return model
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> Any:
+        return optimizer
+
+    def train_sampler(self, dataset: Dataset, seed: int) -> DistributedSampler:
+        """The same global permutation for any world size; rank r takes every w-th sample."""
+        return DistributedSampler(
+            dataset,
+            num_replicas=self.info.world_size,
+            rank=self.info.rank,
+            shuffle=True,
+            seed=seed,
+            drop_last=False,
+        )
+
+    def val_sampler(self, dataset: Dataset) -> Sampler[int]:
+        return ShardSampler(dataset, self.info.rank, self.info.world_size)
+
+    def eval_model(self, model: nn.Module) -> nn.Module:
+        """The model to validate with: one that runs no collectives in forward."""
+        return model
+
+    def all_reduce_sum(self, tensor: Tensor) -> Tensor:
+        return tensor
+
+    def broadcast_object(self, obj: Any) -> Any:
+        return obj
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+    def barrier(self) -> None:
+        pass
+
+    def teardown(self) -> None:
+        pass
+
+
+class DDPStrategy(Strategy):
+    name = "ddp"
+
+    def setup(self) -> DistInfo:
+        backend = resolve_backend(self.config.backend, self.info.device)
+        if self.info.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(self.info.device))
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{self.info.master_addr}:{self.info.master_port}",
+            rank=self.info.rank,
+            world_size=self.info.world_size,
+            timeout=datetime.timedelta(seconds=self.config.dist_timeout),
+        )
+        return self.info
+
+    def wrap_model(self, model: nn.Module, units: list[nn.Module]) -> nn.Module:
+        device_ids = (
+            [torch.device(self.info.device)] if self.info.device.startswith("cuda") else None
+        )
+        return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+
+    def eval_model(self, model: nn.Module) -> nn.Module:
+        return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+    def all_reduce_sum(self, tensor: Tensor) -> Tensor:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def broadcast_object(self, obj: Any) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        gathered: list[Any] = [None] * self.info.world_size
+        dist.all_gather_object(gathered, obj)
+        return gathered
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def teardown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class FSDPStrategy(DDPStrategy):
+    name = "fsdp"
+
+    def wrap_model(self, model: nn.Module, units: list[nn.Module]) -> nn.Module:
+        from torch.distributed.fsdp import fully_shard
+
+        for unit in units:
+            fully_shard(unit)
+        fully_shard(model)
+        return model
+
+    def eval_model(self, model: nn.Module) -> nn.Module:
+        return model  # FSDP's forward gathers parameters: every rank must run it
+
+    def val_sampler(self, dataset: Dataset) -> Sampler[int]:
+        """Equal shard sizes (FSDP's forward is collective): pads with up to w-1 repeats."""
+        return DistributedSampler(
+            dataset, num_replicas=self.info.world_size, rank=self.info.rank, shuffle=False
+        )
+
+
+class HorovodStrategy(Strategy):
+    name = "horovod"
+
+    def setup(self) -> DistInfo:
+        try:
+            import horovod.torch as hvd
+        except ImportError:
+            raise UserError(
+                "--strategy horovod needs Horovod: pip install 'dmltrain[horovod]' "
+                "(see environment/ for the build flags)"
+            ) from None
+        hvd.init()
+        self.hvd = hvd
+        local_rank = hvd.local_rank()
+        self.info = replace(
+            self.info,
+            rank=hvd.rank(),
+            world_size=hvd.size(),
+            local_rank=local_rank,
+            local_world_size=hvd.local_size(),
+            node_rank=hvd.cross_rank(),
+            launcher=self.info.launcher,
+            device=default_device(local_rank),
+        )
+        if self.info.device.startswith("cuda"):
+            torch.cuda.set_device(torch.device(self.info.device))
+        return self.info
+
+    def wrap_model(self, model: nn.Module, units: list[nn.Module]) -> nn.Module:
+        self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        return model
+
+    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> Any:
+        wrapped = self.hvd.DistributedOptimizer(
+            optimizer, named_parameters=model.named_parameters()
+        )
+        # Horovod fills empty optimizer state by taking a zero-gradient step, which moves
+        # Adam's step count; fresh optimizers are identical on all ranks, so only
+        # broadcast state that exists (after a resume).
+        if optimizer.state_dict()["state"]:
+            self.hvd.broadcast_optimizer_state(wrapped, root_rank=0)
+        return wrapped
+
+    def all_reduce_sum(self, tensor: Tensor) -> Tensor:
+        return self.hvd.allreduce(tensor, op=self.hvd.Sum)
+
+    def broadcast_object(self, obj: Any) -> Any:
+        return self.hvd.broadcast_object(obj, root_rank=0)
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return list(self.hvd.allgather_object(obj))
+
+    def barrier(self) -> None:
+        self.hvd.barrier()
+
+    def teardown(self) -> None:
+        self.hvd.shutdown()
+
+
+STRATEGIES: dict[str, Callable[[DistInfo, DistConfig], Strategy]] = {
+    "single": Strategy,
+    "ddp": DDPStrategy,
+    "fsdp": FSDPStrategy,
+    "horovod": HorovodStrategy,
+}
+
+
+def resolve_backend(backend: str, device: str) -> str:
+    if backend == "auto":
+        return "nccl" if device.startswith("cuda") else "gloo"
+    if backend == "mpi" and not dist.is_mpi_available():
+        raise UserError(
+            "--backend mpi: this torch was built without MPI (the PyPI wheels are); launch "
+            "with mpirun/mpiexec and --backend gloo (CPU) or nccl (GPU), "
+            "or use --strategy horovod for Horovod over MPI"
+        )
+    if backend == "nccl" and not (device.startswith("cuda") and dist.is_nccl_available()):
+        raise UserError("--backend nccl needs CUDA GPUs; use --backend gloo on the CPU")
+    return backend
+
+
+def create_strategy(info: DistInfo, config: DistConfig) -> Strategy:
+    name = config.strategy
+    if name == "auto":
+        name = "horovod" if info.launcher == "horovod" else "ddp" if info.distributed else "single"
+    if name == "single" and info.distributed:
+        raise UserError(
+            f"--strategy single cannot run {info.world_size} processes; use ddp, fsdp or horovod"
+        )
+    if name != "horovod":
+        resolve_backend(config.backend, info.device)  # fail early and clearly
+    return STRATEGIES[name](info, config)
