@@ -11,6 +11,7 @@ unit, then the root; an experiment can name other units by overriding
 """
 
 import datetime
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
@@ -21,8 +22,8 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 
 from dmltrain.config import DistConfig
-from dmltrain.errors import UserError
-from dmltrain.launch import DistInfo, default_device
+from dmltrain.errors import PeerLost, UserError
+from dmltrain.launch import DistInfo, default_device, hostname
 
 
 class ShardSampler(Sampler[int]):
@@ -46,6 +47,7 @@ class Strategy:
     def __init__(self, info: DistInfo, config: DistConfig) -> None:
         self.info = info
         self.config = config
+        self.peers: list[tuple[str, int]] = []  # (host, pid) of every rank, gathered at setup
 
     def setup(self) -> DistInfo:
         return self.info
@@ -89,6 +91,22 @@ class Strategy:
     def teardown(self) -> None:
         pass
 
+    def lost_peer(self, exc: BaseException) -> PeerLost | None:
+        """If ``exc`` means another rank went away: a PeerLost naming it where possible."""
+        text = str(exc)
+        lost = isinstance(exc, dist.DistError) or any(
+            s in text for s in ("Connection closed by peer", "Connection reset", "timed out")
+        )
+        if not (self.info.distributed and lost):
+            return None
+        here = hostname()
+        gone = [r for r, (host, pid) in enumerate(self.peers) if host == here and not _alive(pid)]
+        first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+        if len(first) > 160:
+            first = first[:160] + "..."
+        who = f"rank {', '.join(map(str, gone))} is gone" if gone else "another rank failed"
+        return PeerLost(f"lost contact with the other ranks: {who} ({first})")
+
 
 class DDPStrategy(Strategy):
     name = "ddp"
@@ -104,6 +122,7 @@ class DDPStrategy(Strategy):
             world_size=self.info.world_size,
             timeout=datetime.timedelta(seconds=self.config.dist_timeout),
         )
+        self.peers = self.all_gather_object((hostname(), os.getpid()))
         return self.info
 
     def wrap_model(self, model: nn.Module, units: list[nn.Module]) -> nn.Module:
@@ -171,6 +190,7 @@ class HorovodStrategy(Strategy):
             ) from None
         hvd.init()
         self.hvd = hvd
+        self.peers = list(hvd.allgather_object((hostname(), os.getpid())))
         local_rank = hvd.local_rank()
         self.info = replace(
             self.info,
@@ -214,7 +234,17 @@ class HorovodStrategy(Strategy):
         self.hvd.barrier()
 
     def teardown(self) -> None:
-        self.hvd.shutdown()
+        if hasattr(self, "hvd"):
+            self.hvd.shutdown()
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` on this host still runs (a zombie counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 STRATEGIES: dict[str, Callable[[DistInfo, DistConfig], Strategy]] = {

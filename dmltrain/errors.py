@@ -17,6 +17,10 @@ class ConfigError(UserError, ValueError):
     """A configuration value or file that cannot be used."""
 
 
+class PeerLost(Exception):
+    """A collective failed because another rank died or stopped answering."""
+
+
 class RankFailed(Exception):
     """A worker process failed; the others were stopped. ``exit_code`` is the worker's."""
 
@@ -43,27 +47,11 @@ def run_reporting_errors(fn: Callable[[], object], rank: int, world_size: int) -
     except KeyboardInterrupt:
         print(f"dmltrain: {who}interrupted", file=sys.stderr, flush=True)
         return 130
+    except PeerLost as exc:
+        print(f"dmltrain: {who}stopping: {exc}", file=sys.stderr, flush=True)
+        return 1
     except Exception as exc:
-        if world_size > 1 and _is_lost_peer(exc):
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            print(
-                f"dmltrain: {who}stopping: lost contact with another rank, which failed or "
-                f"was killed ({first})",
-                file=sys.stderr,
-                flush=True,
-            )
-            return 1
         traceback.print_exc()
         print(f"dmltrain: {who}failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
         return 1
     return 0
-
-
-def _is_lost_peer(exc: BaseException) -> bool:
-    """A collective that failed because a peer went away or timed out."""
-    import torch.distributed as dist
-
-    if isinstance(exc, dist.DistError):
-        return True
-    text = str(exc)
-    return any(s in text for s in ("Connection closed by peer", "Connection reset", "timed out"))

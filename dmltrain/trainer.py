@@ -104,6 +104,8 @@ class BaseTrainer(abc.ABC):
             dist = launch.detect(self.config.launcher, self.config.nprocs)
         self.dist = dist
         self.device = torch.device(self.dist.device)
+        # Chosen (and checked) now, so bad settings fail before any process starts.
+        self.strategy = create_strategy(self.dist, section(self.config, DistConfig))
         self.epoch = 0
         self.global_step = 0
         self._spawned_worker = False
@@ -188,9 +190,13 @@ class BaseTrainer(abc.ABC):
         try:
             self.setup()
             return self._fit()
+        except Exception as exc:
+            lost = self.strategy.lost_peer(exc)
+            if lost is None:
+                raise
+            raise lost from exc
         finally:
-            if hasattr(self, "strategy"):
-                self.strategy.teardown()
+            self.strategy.teardown()
 
     def _fit(self) -> list[dict[str, Any]]:
         self.on_train_start()
@@ -255,7 +261,6 @@ class BaseTrainer(abc.ABC):
     # ----- setup -----------------------------------------------------------------------------
     def setup(self) -> None:
         """Processes, run directory, model, data, optimizer: everything ``fit`` needs."""
-        self.strategy = create_strategy(self.dist, section(self.config, DistConfig))
         self.dist = self.strategy.setup()
         self.device = torch.device(self.dist.device)
         self.progress = Progress(self.config.progress, self.dist.is_main, self.config.log_every)

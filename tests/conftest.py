@@ -1,6 +1,7 @@
 import functools
 import http.server
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -49,3 +50,39 @@ def http_dir(tmp_path):
     yield root, f"http://127.0.0.1:{server.server_address[1]}/"
     server.shutdown()
     server.server_close()
+
+
+# tests/run.sh sets this: there a missing component fails the suite instead of skipping.
+REQUIRE_ALL = os.environ.get("DMLTRAIN_TEST_REQUIRE_ALL") == "1"
+
+
+def require(tool: str) -> None:
+    """Skip (plain pytest) or fail (tests/run.sh) when a command-line tool is missing."""
+    if shutil.which(tool) is None:
+        message = f"{tool} is not installed; tests/run.sh installs it"
+        if REQUIRE_ALL:
+            pytest.fail(message)
+        pytest.skip(message)
+
+
+def _slurm_up() -> bool:
+    try:
+        out = subprocess.run(
+            ["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=20
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return any(state in out for state in ("idle", "mixed", "allocated"))
+
+
+@pytest.fixture(scope="session")
+def slurm():
+    """A running single-node Slurm cluster (started here if it is installed but down)."""
+    require("sbatch")
+    if not _slurm_up():
+        subprocess.run(["bash", str(TESTS / "cluster" / "start_local_slurm.sh")], timeout=120)
+    if not _slurm_up():
+        message = "the local Slurm cluster did not come up; see /var/log/slurm"
+        if REQUIRE_ALL:
+            pytest.fail(message)
+        pytest.skip(message)

@@ -1,10 +1,13 @@
 """A tiny regression experiment: the fast stand-in for MNIST in mechanics tests."""
 
+import os
+import signal
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils.data import TensorDataset
 
 from dmltrain import BaseTrainer, register_experiment
@@ -14,26 +17,40 @@ from dmltrain import BaseTrainer, register_experiment
 class TinyOptions:
     samples: int = field(default=96, metadata={"help": "training samples"})
     features: int = field(default=4, metadata={"help": "input features"})
+    save_weights: bool = field(default=False, metadata={"help": "save final_weights.pt"})
+    die_rank: int = field(default=-1, metadata={"help": "this rank kills itself (SIGKILL)"})
+    die_at_step: int = field(default=0, metadata={"help": "... at this global step"})
 
 
 class TinyTrainer(BaseTrainer):
     name = "tiny"
 
+    @property
+    def opts(self) -> TinyOptions:
+        return self.options or TinyOptions()
+
     def create_model(self) -> nn.Module:
-        options = self.options or TinyOptions()
-        return nn.Sequential(nn.Linear(options.features, 8), nn.Tanh(), nn.Linear(8, 1))
+        return nn.Sequential(nn.Linear(self.opts.features, 8), nn.Tanh(), nn.Linear(8, 1))
 
     def create_datasets(self):
-        options = self.options or TinyOptions()
         g = torch.Generator().manual_seed(1234)
-        x = torch.randn(options.samples + 32, options.features, generator=g)
+        x = torch.randn(self.opts.samples + 32, self.opts.features, generator=g)
         y = x.sum(dim=1, keepdim=True) + 0.1 * torch.randn(len(x), 1, generator=g)
-        n = options.samples
+        n = self.opts.samples
         return TensorDataset(x[:n], y[:n]), TensorDataset(x[n:], y[n:])
 
     def train_step(self, batch):
+        if self.dist.rank == self.opts.die_rank and self.global_step == self.opts.die_at_step:
+            os.kill(os.getpid(), signal.SIGKILL)
         x, y = batch
         return F.mse_loss(self.model(x), y)
+
+    def on_train_end(self):
+        if self.opts.save_weights:
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            weights = get_model_state_dict(self.model, options=options)
+            if self.dist.is_main:
+                torch.save(weights, self.run_dir / "final_weights.pt")
 
 
 EXPERIMENT = register_experiment("tiny", TinyTrainer, TinyOptions, help="tiny regression (tests)")

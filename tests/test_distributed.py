@@ -1,0 +1,291 @@
+"""Real processes under every launcher that runs here: self-spawn, torchrun, srun on a
+local Slurm cluster, mpirun, horovodrun (Gloo and MPI controllers). Gloo on the CPU.
+
+Equivalence (README, "Batch size and equivalence"): with the same seed and global batch,
+every 2-process run writes the same training log and final weights, bitwise for the
+Gloo-based launchers and within 1e-6 relative for Horovod; a 1-process run with twice the
+per-process batch matches within 1e-5 relative.
+"""
+
+import math
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import cli_env, require, run_cli
+from dmltrain.launch import free_port
+from dmltrain.training_log import read_training_log
+
+ARGS = [
+    "tiny",
+    "--epochs",
+    "3",
+    "--batch-size",
+    "8",
+    "--save-weights",
+    "--progress",
+    "log",
+    "--log-every",
+    "4",
+]
+DMLTRAIN = [sys.executable, "-m", "dmltrain"]
+MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2"]
+
+
+def launch(command, run, timeout=300):
+    done = subprocess.run(
+        [*command, "--run-dir", str(run)],
+        env=cli_env(),
+        cwd=run.parent,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def numbers(run):
+    rows = read_training_log(run / "training_log.csv")
+    return [{k: v for k, v in row.items() if k != "epoch_time_s"} for row in rows]
+
+
+def weights(run):
+    return torch.load(run / "final_weights.pt", weights_only=True)
+
+
+def assert_same(run_a, run_b, rel=0.0):
+    a, b = numbers(run_a), numbers(run_b)
+    assert len(a) == len(b) == 3
+    wa, wb = weights(run_a), weights(run_b)
+    assert list(wa) == list(wb)
+    if rel == 0.0:
+        assert a == b
+        for key in wa:
+            assert torch.equal(wa[key], wb[key]), key
+    else:
+        for ra, rb in zip(a, b, strict=True):
+            assert ra == pytest.approx(rb, rel=rel)
+        for key in wa:
+            torch.testing.assert_close(wa[key], wb[key], rtol=rel, atol=rel)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The 2-process self-spawn run every other launcher is compared with."""
+    run = tmp_path_factory.mktemp("spawn") / "run"
+    done = launch(DMLTRAIN + ARGS + ["--nprocs", "2"], run)
+    return run, done
+
+
+def test_spawn_writes_once_from_rank_0(reference):
+    run, done = reference
+    assert sorted(p.name for p in run.iterdir()) == [
+        "config.yaml",
+        "final_weights.pt",
+        "training_log.csv",
+    ]
+    assert done.stdout.count("epoch 1/3 train_loss") == 1  # one summary, from rank 0
+    assert done.stdout.count("dmltrain: tiny ->") == 1
+    assert "nprocs: 2" in (run / "config.yaml").read_text()
+
+
+def test_one_process_with_the_same_global_batch_matches(reference, tmp_path):
+    run = tmp_path / "run"
+    args = [a if a != "8" else "16" for a in ARGS]
+    launch(DMLTRAIN + args, run)
+    assert_same(reference[0], run, rel=1e-5)
+
+
+def test_torchrun(reference, tmp_path):
+    run = tmp_path / "run"
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "-m",
+        "dmltrain",
+        *ARGS,
+    ]
+    launch(command, run)
+    assert_same(reference[0], run)
+
+
+def test_mpirun(reference, tmp_path):
+    require("mpirun")
+    run = tmp_path / "run"
+    launch(MPIRUN + DMLTRAIN + ARGS, run)
+    assert_same(reference[0], run)
+
+
+def test_fsdp(reference, tmp_path):
+    run = tmp_path / "run"
+    launch(DMLTRAIN + ARGS + ["--nprocs", "2", "--strategy", "fsdp"], run)
+    assert_same(reference[0], run, rel=1e-6)
+
+
+@pytest.mark.parametrize("controller", ["gloo", "mpi"])
+def test_horovodrun(reference, tmp_path, controller):
+    require("horovodrun")
+    run = tmp_path / "run"
+    command = ["horovodrun", f"--{controller}", "-np", "2", "-H", "localhost:2"]
+    if controller == "mpi":
+        command += ["--mpi-args=--allow-run-as-root --oversubscribe"]
+    launch(command + DMLTRAIN + ARGS + ["--strategy", "horovod"], run)
+    assert_same(reference[0], run, rel=1e-6)
+
+
+def test_srun_inside_sbatch(reference, tmp_path, slurm):
+    run = tmp_path / "run"
+    script = tmp_path / "job.sh"
+    command = " ".join(DMLTRAIN + ARGS + ["--run-dir", str(run)])
+    script.write_text(f"#!/bin/bash\nsrun {command}\n")
+    done = subprocess.run(
+        ["sbatch", "--wait", "-n", "2", "-o", str(tmp_path / "slurm.out"), str(script)],
+        env=cli_env(),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    log = (tmp_path / "slurm.out").read_text() if (tmp_path / "slurm.out").exists() else ""
+    assert done.returncode == 0, done.stderr + log
+    assert "launcher: auto" in (run / "config.yaml").read_text()
+    assert_same(reference[0], run)
+
+
+def test_killed_rank_under_spawn_is_named_and_the_others_stop(tmp_path):
+    started = time.monotonic()
+    done = run_cli(
+        *ARGS,
+        "--nprocs",
+        "2",
+        "--die-rank",
+        "1",
+        "--die-at-step",
+        "3",
+        "--run-dir",
+        str(tmp_path / "run"),
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert time.monotonic() - started < 90
+    assert done.returncode == 1
+    assert "dmltrain: rank 1 failed first (killed by SIGKILL)" in done.stderr
+
+
+def test_survivors_exit_on_their_own_when_a_rank_is_killed(tmp_path):
+    """No launcher to clean up: rank 0 must notice rank 1's death and exit, naming it."""
+    port = str(free_port())
+    procs = []
+    for rank in (0, 1):
+        env = cli_env(
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+        )
+        command = (
+            DMLTRAIN
+            + ARGS
+            + [
+                "--die-rank",
+                "1",
+                "--die-at-step",
+                "3",
+                "--dist-timeout",
+                "60",
+                "--run-dir",
+                str(tmp_path / "run"),
+            ]
+        )
+        procs.append(
+            subprocess.Popen(
+                command,
+                env=env,
+                cwd=tmp_path,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    started = time.monotonic()
+    _, err0 = procs[0].communicate(timeout=90)
+    procs[1].wait(timeout=30)
+    assert time.monotonic() - started < 75
+    assert procs[1].returncode == -9
+    assert procs[0].returncode == 1
+    assert "[rank 0] stopping: lost contact with the other ranks: rank 1 is gone" in err0
+
+
+def test_backend_mpi_without_torch_mpi_is_a_clear_error(tmp_path):
+    if torch.distributed.is_mpi_available():
+        pytest.skip("this torch was built with MPI")
+    done = run_cli(*ARGS, "--nprocs", "2", "--backend", "mpi", cwd=tmp_path)
+    assert done.returncode == 2
+    (line,) = done.stderr.strip().splitlines()
+    assert "--backend mpi: this torch was built without MPI" in line
+    assert "--backend gloo" in line and "--strategy horovod" in line
+
+
+def test_strategy_single_with_two_processes_is_a_clear_error(tmp_path):
+    done = run_cli(*ARGS, "--nprocs", "2", "--strategy", "single", cwd=tmp_path)
+    assert done.returncode == 2 and "--strategy single cannot run 2 processes" in done.stderr
+
+
+def test_nccl_without_a_gpu_is_a_clear_error(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    done = run_cli(*ARGS, "--backend", "nccl", cwd=tmp_path)
+    assert done.returncode == 2 and "--backend nccl needs CUDA GPUs" in done.stderr
+
+
+@pytest.mark.gpu
+def test_nccl_ddp_on_gpus(tmp_path):
+    if torch.cuda.device_count() < 1:
+        pytest.skip("needs a CUDA GPU")
+    nprocs = str(min(torch.cuda.device_count(), 2))
+    run = tmp_path / "run"
+    done = launch(DMLTRAIN + ARGS + ["--nprocs", nprocs, "--strategy", "ddp"], run)
+    text = (run / "config.yaml").read_text()
+    assert "backend: auto" in text and done.returncode == 0
+    assert all(math.isfinite(r["train_loss"]) for r in numbers(run))
+
+
+def test_mnist_two_processes(tmp_path):
+    """The user's command under self-spawn: the sample trains and rank 0 warns once."""
+    run = tmp_path / "run"
+    done = run_cli(
+        "mnist",
+        "--nprocs",
+        "2",
+        "--epochs",
+        "1",
+        "--batch-size",
+        "32",
+        "--no-download",
+        "--run-dir",
+        str(run),
+        cwd=tmp_path,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.count("bundled 5,000-digit sample") == 1
+    (row,) = read_training_log(run / "training_log.csv")
+    assert row["val_acc"] > 0.85
+
+
+def test_components_are_installed():
+    """The test command installs these; without them the tests above prove nothing."""
+    for tool in ("mpirun", "horovodrun", "sbatch"):
+        require(tool)
+    horovod = subprocess.run(["horovodrun", "--check-build"], capture_output=True, text=True)
+    assert "[X] PyTorch" in horovod.stdout, horovod.stdout
