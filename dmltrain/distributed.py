@@ -278,5 +278,11 @@ def create_strategy(info: DistInfo, config: DistConfig) -> Strategy:
             f"--strategy single cannot run {info.world_size} processes; use ddp, fsdp or horovod"
         )
     if name != "horovod":
-        resolve_backend(config.backend, info.device)  # fail early and clearly
+        backend = resolve_backend(config.backend, info.device)  # fail early and clearly
+        gpus = torch.cuda.device_count()
+        if backend == "nccl" and info.local_world_size > gpus:
+            raise UserError(
+                f"{info.local_world_size} processes on this node but {gpus} GPU(s): NCCL needs "
+                "one GPU per process; start at most that many per node, or use --backend gloo"
+            )
     return STRATEGIES[name](info, config)

@@ -14,19 +14,24 @@ TESTS = ROOT / "tests"
 SAMPLE = ROOT / "experiments" / "mnist_sample"
 
 
-def cli_env(**extra: str) -> dict[str, str]:
-    """The environment for a dmltrain subprocess: tests/ importable, no batch-system ids."""
+def cli_env(gpus: bool = False, **extra: str) -> dict[str, str]:
+    """The environment for a dmltrain subprocess: tests/ importable, no batch-system ids,
+    and no GPUs unless asked for (the mechanics tests run on the CPU with Gloo, as in CI)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PBS_"))}
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(ROOT), env.get("PYTHONPATH", "")])
+    if not gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     env.update(extra)
     return env
 
 
-def run_cli(*args: str, cwd: Path, timeout: float = 300, **env: str) -> subprocess.CompletedProcess:
+def run_cli(
+    *args: str, cwd: Path, timeout: float = 300, gpus: bool = False, **env: str
+) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "dmltrain", *args],
         cwd=cwd,
-        env=cli_env(**env),
+        env=cli_env(gpus, **env),
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -7,7 +7,6 @@ Gloo-based launchers and within 1e-6 relative for Horovod; a 1-process run with 
 per-process batch matches within 1e-5 relative.
 """
 
-import math
 import subprocess
 import sys
 import time
@@ -35,10 +34,10 @@ DMLTRAIN = [sys.executable, "-m", "dmltrain"]
 MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2"]
 
 
-def launch(command, run, timeout=300):
+def launch(command, run, timeout=300, gpus=False):
     done = subprocess.run(
         [*command, "--run-dir", str(run)],
-        env=cli_env(),
+        env=cli_env(gpus),
         cwd=run.parent,
         capture_output=True,
         text=True,
@@ -248,16 +247,52 @@ def test_nccl_without_a_gpu_is_a_clear_error(tmp_path):
     assert done.returncode == 2 and "--backend nccl needs CUDA GPUs" in done.stderr
 
 
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
 @pytest.mark.gpu
-def test_nccl_ddp_on_gpus(tmp_path):
-    if torch.cuda.device_count() < 1:
-        pytest.skip("needs a CUDA GPU")
-    nprocs = str(min(torch.cuda.device_count(), 2))
+@needs_gpu
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_nccl_on_gpus_matches_one_process(tmp_path, strategy):
+    """One process per GPU (up to 2), NCCL chosen automatically, vs one process on cuda:0."""
+    n = min(torch.cuda.device_count(), 2)
+    single = tmp_path / "single"
+    args = [a if a != "8" else str(8 * n) for a in ARGS]
+    launch(DMLTRAIN + args, single, gpus=True)
     run = tmp_path / "run"
-    done = launch(DMLTRAIN + ARGS + ["--nprocs", nprocs, "--strategy", "ddp"], run)
-    text = (run / "config.yaml").read_text()
-    assert "backend: auto" in text and done.returncode == 0
-    assert all(math.isfinite(r["train_loss"]) for r in numbers(run))
+    launch(DMLTRAIN + ARGS + ["--nprocs", str(n), "--strategy", strategy], run, gpus=True)
+    assert_same(single, run, rel=1e-5)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_more_processes_than_gpus_is_a_clear_error(tmp_path):
+    n = str(torch.cuda.device_count() + 1)
+    done = run_cli(*ARGS, "--nprocs", n, cwd=tmp_path, gpus=True)
+    assert done.returncode == 2
+    (line,) = done.stderr.strip().splitlines()
+    assert "NCCL needs one GPU per process" in line
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_mnist_on_a_gpu(tmp_path):
+    run = tmp_path / "run"
+    done = run_cli(
+        "mnist",
+        "--epochs",
+        "1",
+        "--no-download",
+        "--num-workers",
+        "2",
+        "--run-dir",
+        str(run),
+        cwd=tmp_path,
+        gpus=True,
+    )
+    assert done.returncode == 0, done.stderr
+    (row,) = read_training_log(run / "training_log.csv")
+    assert row["val_acc"] > 0.9
 
 
 def test_mnist_two_processes(tmp_path):

@@ -46,7 +46,7 @@ def test_same_seed_same_weights_other_seed_differs(tmp_path):
 def test_validation_metrics_are_sample_weighted(tmp_path):
     # 32 validation samples in batches of 24 and 8: a plain mean of batch means would be wrong.
     trainer, rows = fit(tmp_path, epochs=1, batch_size=24)
-    x, y = trainer.val_loader.dataset.tensors
+    x, y = (t.to(trainer.device) for t in trainer.val_loader.dataset.tensors)
     with torch.no_grad():
         expected = F.mse_loss(trainer.model(x), y).item()
     assert rows[0]["val_loss"] == pytest.approx(expected, rel=1e-5)
