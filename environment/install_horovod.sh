@@ -34,4 +34,4 @@ if ! ls "$cache"/horovod-0.28.1-*.whl >/dev/null 2>&1; then
 fi
 "$python" -m pip install --quiet --no-deps "$cache"/horovod-0.28.1-*.whl
 "$python" -m pip install --quiet cloudpickle psutil pyyaml packaging  # horovodrun's needs
-horovodrun --check-build
+"$python" -c "import sys; from horovod.runner.launch import run_commandline; sys.argv = ['horovodrun', '--check-build']; run_commandline()"
