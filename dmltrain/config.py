@@ -11,6 +11,7 @@ Config files (YAML or JSON) hold a flat mapping of field names (``batch_size`` o
 
 import dataclasses
 import json
+import signal
 import types
 import typing
 from dataclasses import dataclass, field
@@ -107,16 +108,91 @@ class DistConfig:
         check(self.dist_timeout > 0, f"--dist-timeout must be positive (got {self.dist_timeout})")
 
 
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """When checkpoints are written, what a run resumes from, how it survives preemption."""
+
+    resume: str = field(
+        default="auto",
+        metadata={
+            "help": "auto: continue the run directory's latest checkpoint if any; "
+            "never; or a checkpoint PATH"
+        },
+    )
+    checkpoint_every_steps: int = field(
+        default=0, metadata={"help": "also save every N optimizer steps (0: off)"}
+    )
+    checkpoint_every_minutes: float = field(
+        default=0.0, metadata={"help": "also save every M minutes (0: off)"}
+    )
+    keep_last: int = field(
+        default=3, metadata={"help": "keep the newest K checkpoints (and the best); 0 keeps all"}
+    )
+    best_metric: str = field(
+        default="val_loss", metadata={"help": "metric of the training log that picks best.pt"}
+    )
+    best_mode: Literal["min", "max"] = field(
+        default="min", metadata={"help": "whether a smaller or larger best metric is better"}
+    )
+    load_weights: str | None = field(
+        default=None,
+        metadata={"help": "start from this checkpoint's model weights (fine-tuning)"},
+    )
+    load_optimizer: bool = field(
+        default=False, metadata={"help": "with --load-weights: also load the optimizer state"}
+    )
+    load_scheduler: bool = field(
+        default=False, metadata={"help": "with --load-weights: also load the LR scheduler state"}
+    )
+    load_epoch: bool = field(
+        default=False,
+        metadata={"help": "with --load-weights: also continue its epoch and step counters"},
+    )
+    epochs_per_job: int = field(
+        default=0,
+        metadata={
+            "help": "train at most N epochs in this job, then exit with status 3 "
+            "(requeue) until --epochs are done (0: no limit)"
+        },
+    )
+    preempt_signals: str = field(
+        default="SIGTERM,SIGUSR1,SIGINT",
+        metadata={"help": "signals that mean: checkpoint at the next step and exit"},
+    )
+    requeue: bool = field(
+        default=True,
+        metadata={"help": "do not run 'scontrol requeue' after a preemption checkpoint"},
+    )
+    stop_before_end_minutes: float = field(
+        default=5.0,
+        metadata={"help": "under Slurm, checkpoint and exit this long before the time limit"},
+    )
+
+    def __post_init__(self) -> None:
+        check(self.checkpoint_every_steps >= 0, "--checkpoint-every-steps must be >= 0")
+        check(self.checkpoint_every_minutes >= 0, "--checkpoint-every-minutes must be >= 0")
+        check(self.keep_last >= 0, f"--keep-last must be >= 0 (got {self.keep_last})")
+        check(self.epochs_per_job >= 0, "--epochs-per-job must be >= 0")
+        check(self.resume != "", "--resume must be auto, never or a checkpoint path")
+        names = [n.strip() for n in self.preempt_signals.split(",") if n.strip()]
+        for name in names:
+            check(
+                name in signal.Signals.__members__,
+                f"--preempt-signals: {name} is not a signal name (e.g. SIGUSR1)",
+            )
+
+
 # The concern dataclasses, in the order their flag groups appear in --help.
 CONCERNS: tuple[tuple[str, type], ...] = (
     ("training", LoopConfig),
     ("data", DataConfig),
     ("distributed", DistConfig),
+    ("checkpointing", CheckpointConfig),
 )
 
 
 @dataclass(frozen=True)
-class TrainConfig(LoopConfig, DataConfig, DistConfig):
+class TrainConfig(LoopConfig, DataConfig, DistConfig, CheckpointConfig):
     """Everything ``BaseTrainer`` needs: the union of the concern dataclasses."""
 
     def __post_init__(self) -> None:

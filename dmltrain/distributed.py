@@ -39,6 +39,22 @@ class ShardSampler(Sampler[int]):
         return len(self.indices)
 
 
+class ResumableSampler(DistributedSampler):
+    """DistributedSampler that can start an epoch part-way (after a mid-epoch resume)."""
+
+    start = 0  # samples of this rank's shard already consumed in the current epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        self.start = 0
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(list(super().__iter__())[self.start :])
+
+    def __len__(self) -> int:
+        return self.num_samples - self.start
+
+
 class Strategy:
     """One process, nothing to synchronise. The base of the distributed strategies."""
 
@@ -58,9 +74,9 @@ class Strategy:
     def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> Any:
         return optimizer
 
-    def train_sampler(self, dataset: Dataset, seed: int) -> DistributedSampler:
+    def train_sampler(self, dataset: Dataset, seed: int) -> ResumableSampler:
         """The same global permutation for any world size; rank r takes every w-th sample."""
-        return DistributedSampler(
+        return ResumableSampler(
             dataset,
             num_replicas=self.info.world_size,
             rank=self.info.rank,
@@ -78,6 +94,10 @@ class Strategy:
 
     def all_reduce_sum(self, tensor: Tensor) -> Tensor:
         return tensor
+
+    def any_rank(self, flags: list[bool]) -> list[bool]:
+        """Element-wise OR over ranks: one small CPU collective, no GPU sync."""
+        return flags
 
     def broadcast_object(self, obj: Any) -> Any:
         return obj
@@ -123,6 +143,9 @@ class DDPStrategy(Strategy):
             timeout=datetime.timedelta(seconds=self.config.dist_timeout),
         )
         self.peers = self.all_gather_object((hostname(), os.getpid()))
+        # Control messages (preemption agreement) go over Gloo on the CPU, so they never
+        # wait for the GPU stream.
+        self.control = dist.new_group(backend="gloo") if backend == "nccl" else None
         return self.info
 
     def wrap_model(self, model: nn.Module, units: list[nn.Module]) -> nn.Module:
@@ -137,6 +160,11 @@ class DDPStrategy(Strategy):
     def all_reduce_sum(self, tensor: Tensor) -> Tensor:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
+
+    def any_rank(self, flags: list[bool]) -> list[bool]:
+        tensor = torch.tensor(flags, dtype=torch.int32)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.control)
+        return [bool(v) for v in tensor.tolist()]
 
     def broadcast_object(self, obj: Any) -> Any:
         box = [obj]
@@ -223,6 +251,10 @@ class HorovodStrategy(Strategy):
 
     def all_reduce_sum(self, tensor: Tensor) -> Tensor:
         return self.hvd.allreduce(tensor, op=self.hvd.Sum)
+
+    def any_rank(self, flags: list[bool]) -> list[bool]:
+        tensor = torch.tensor(flags, dtype=torch.int32)
+        return [bool(v) for v in self.hvd.allreduce(tensor, op=self.hvd.Max).tolist()]
 
     def broadcast_object(self, obj: Any) -> Any:
         return self.hvd.broadcast_object(obj, root_rank=0)

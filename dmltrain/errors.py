@@ -17,6 +17,13 @@ class ConfigError(UserError, ValueError):
     """A configuration value or file that cannot be used."""
 
 
+EXIT_REQUEUE = 3  # "checkpoint saved, more to do": slurm/run.sh requeues the job
+
+
+class StopForRequeue(Exception):
+    """A checkpoint was saved and the run must continue in a later job (exit status 3)."""
+
+
 class PeerLost(Exception):
     """A collective failed because another rank died or stopped answering."""
 
@@ -47,6 +54,10 @@ def run_reporting_errors(fn: Callable[[], object], rank: int, world_size: int) -
     except KeyboardInterrupt:
         print(f"dmltrain: {who}interrupted", file=sys.stderr, flush=True)
         return 130
+    except StopForRequeue as exc:
+        if rank == 0:
+            print(f"dmltrain: {exc}", file=sys.stderr, flush=True)
+        return EXIT_REQUEUE
     except PeerLost as exc:
         print(f"dmltrain: {who}stopping: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -26,7 +26,13 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from dmltrain.errors import RankFailed, UserError, run_reporting_errors
+from dmltrain.errors import (
+    EXIT_REQUEUE,
+    RankFailed,
+    StopForRequeue,
+    UserError,
+    run_reporting_errors,
+)
 
 Env = Mapping[str, str]
 DEFAULT_PORT = 29500
@@ -309,6 +315,8 @@ def spawn(nprocs: int, fn: Callable[..., None], args: tuple) -> None:
     try:
         mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="spawn")
     except mp.ProcessExitedException as exc:
+        if exc.exit_code == EXIT_REQUEUE:  # a checkpoint was saved; the run goes on later
+            raise StopForRequeue(f"checkpoint saved; exit status {EXIT_REQUEUE}") from None
         how = f"killed by {exc.signal_name}" if exc.signal_name else f"exit code {exc.exit_code}"
         raise RankFailed(
             f"rank {exc.error_index} failed first ({how}); the other ranks were stopped",

@@ -25,6 +25,13 @@ class MetricAccumulator:
             self._sums[name] = value * n if total is None else total + value * n
         self._count += n
 
+    def state_dict(self) -> dict:
+        return {"sums": {k: v.cpu() for k, v in self._sums.items()}, "count": self._count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._sums = {k: v.to(self.device) for k, v in state["sums"].items()}
+        self._count = int(state["count"])
+
     @property
     def count(self) -> int:
         return self._count

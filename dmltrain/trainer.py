@@ -23,12 +23,28 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from dmltrain import launch
+from dmltrain import launch, preemption
+from dmltrain.checkpoint import (
+    CheckpointDir,
+    check_model_fits,
+    list_checkpoints,
+    load_file,
+    load_latest_valid,
+    rng_state,
+    set_rng_state,
+    strip_prefixes,
+)
 from dmltrain.config import CONCERNS, DistConfig, TrainConfig, section, to_yaml
-from dmltrain.distributed import Strategy, create_strategy
-from dmltrain.errors import UserError
+from dmltrain.distributed import ResumableSampler, Strategy, create_strategy
+from dmltrain.errors import StopForRequeue, UserError
 from dmltrain.launch import DistInfo
 from dmltrain.metrics import MetricAccumulator
 from dmltrain.progress import Progress
@@ -90,6 +106,8 @@ class BaseTrainer(abc.ABC):
     progress: Progress
     training_log: TrainingLog
     run_dir: Path
+    checkpoints: CheckpointDir
+    watcher: preemption.PreemptionWatcher
 
     def __init__(
         self,
@@ -106,8 +124,11 @@ class BaseTrainer(abc.ABC):
         self.device = torch.device(self.dist.device)
         # Chosen (and checked) now, so bad settings fail before any process starts.
         self.strategy = create_strategy(self.dist, section(self.config, DistConfig))
-        self.epoch = 0
+        self.epoch = 0  # epochs completed (the one in progress, 0-based)
+        self.step_in_epoch = 0  # optimizer steps done in the epoch in progress
         self.global_step = 0
+        self.epoch_metrics: dict[str, Any] | None = None  # partial epoch (mid-epoch resume)
+        self.best_value: float | None = None
         self._spawned_worker = False
 
     # ----- what an experiment provides -------------------------------------------------
@@ -196,12 +217,15 @@ class BaseTrainer(abc.ABC):
                 raise
             raise lost from exc
         finally:
+            if hasattr(self, "watcher"):
+                self.watcher.restore()
             self.strategy.teardown()
 
     def _fit(self) -> list[dict[str, Any]]:
         self.on_train_start()
-        for epoch in range(self.epoch, self.config.epochs):
-            self.epoch = epoch
+        epochs_this_job = 0
+        while self.epoch < self.config.epochs:
+            epoch = self.epoch
             self.on_epoch_start(epoch)
             started = time.perf_counter()
             train_metrics = self.train_epoch(epoch)
@@ -213,24 +237,39 @@ class BaseTrainer(abc.ABC):
             row.update({f"train_{k}": v for k, v in train_metrics.items()})
             row.update({f"val_{k}": v for k, v in val_metrics.items()})
             row.update(lr=lr, epoch_time_s=round(time.perf_counter() - started, 3))
+            self.training_log.rows.append(row)
             if self.dist.is_main:
-                self.training_log.append(row)
+                self.training_log.write()
             self.progress.epoch_summary(row)
             self.on_epoch_end(epoch, row)
-        self.epoch = self.config.epochs
+            self.epoch, self.step_in_epoch, self.epoch_metrics = epoch + 1, 0, None
+            self.save_checkpoint(best=self._improves_best(row))
+            epochs_this_job += 1
+            per_job = self.config.epochs_per_job
+            if per_job and epochs_this_job >= per_job and self.epoch < self.config.epochs:
+                raise StopForRequeue(
+                    f"{epochs_this_job} epoch(s) done in this job (--epochs-per-job), "
+                    f"{self.epoch}/{self.config.epochs} in all; exit status 3: requeue to go on"
+                )
         self.on_train_end()
         return self.training_log.rows
 
     def train_epoch(self, epoch: int) -> dict[str, float]:
         self.model.train()
         sampler = self.train_loader.sampler
-        if hasattr(sampler, "set_epoch"):
+        if isinstance(sampler, ResumableSampler):
             sampler.set_epoch(epoch)
+            sampler.start = self.step_in_epoch * self.config.batch_size
         metrics = MetricAccumulator(self.device)
+        if self.epoch_metrics is not None:  # resumed mid-epoch: continue its averages
+            metrics.load_state_dict(self.epoch_metrics)
         batches = self.progress.epoch(
-            self.train_loader, epoch + 1, self.config.epochs, len(self.train_loader)
+            self.train_loader,
+            epoch + 1,
+            self.config.epochs,
+            self.step_in_epoch + len(self.train_loader),
         )
-        for step, batch in enumerate(batches, start=1):
+        for step, batch in enumerate(batches, start=self.step_in_epoch + 1):
             batch = to_device(batch, self.device)
             loss, step_metrics = split_step_output(self.train_step(batch))
             self.optimizer.zero_grad()  # set_to_none is the default
@@ -239,9 +278,35 @@ class BaseTrainer(abc.ABC):
             if self.scheduler is not None and self.scheduler_interval == "step":
                 self.scheduler.step()
             self.global_step += 1
+            self.step_in_epoch = step
             metrics.update({"loss": loss, **step_metrics}, batch_size_of(batch))
             self.progress.step(step, metrics.count, metrics.compute)  # rank 0's running mean
+            self._step_boundary(metrics)
         return metrics.compute(self.strategy.all_reduce_sum)
+
+    def _step_boundary(self, metrics: MetricAccumulator) -> None:
+        """Checkpoint when due; on preemption (agreed by all ranks) save and stop."""
+        cfg = self.config
+        due = (
+            bool(cfg.checkpoint_every_steps) and self.global_step % cfg.checkpoint_every_steps == 0
+        )
+        timed = bool(cfg.checkpoint_every_minutes) and (
+            time.monotonic() - self._last_save >= 60 * cfg.checkpoint_every_minutes
+        )
+        preempt, timed = self.strategy.any_rank([self.watcher.local_request(), timed])
+        if not (preempt or due or timed):
+            return
+        self.epoch_metrics = metrics.state_dict()
+        self.save_checkpoint(best=False)
+        self.epoch_metrics = None
+        if preempt:
+            if self.dist.is_main and cfg.requeue:
+                preemption.requeue(self.dist.job_id, self.progress.info)
+            why = self.watcher.requested or "another rank was signalled"
+            raise StopForRequeue(
+                f"preempted ({why}): checkpoint saved at epoch {self.epoch + 1}, step "
+                f"{self.step_in_epoch}; exit status 3"
+            )
 
     @torch.no_grad()
     def validate(self) -> dict[str, float]:
@@ -281,6 +346,135 @@ class BaseTrainer(abc.ABC):
         self.optimizer = self.strategy.wrap_optimizer(optimizer, self.model)
         self.scheduler = self.create_scheduler(self.optimizer)
         self.training_log = TrainingLog(self.run_dir / "training_log.csv")
+        self.checkpoints = CheckpointDir(self.run_dir / "checkpoints", self.config.keep_last)
+        self._restore()
+        if self.dist.is_main:
+            text = self.resolved_config_yaml()
+            (self.run_dir / "config.yaml").write_text(text)
+            self.progress.info(f"dmltrain: {self.name} -> {self.run_dir}\n{text.rstrip()}")
+        self.watcher = preemption.PreemptionWatcher(
+            [n.strip() for n in self.config.preempt_signals.split(",") if n.strip()],
+            self.strategy.broadcast_object(self._deadline() if self.dist.is_main else None),
+        )
+        self._last_save = time.monotonic()
+
+    def _deadline(self) -> float | None:
+        end = preemption.slurm_end_time(self.dist.job_id) if self.dist.job_id else None
+        return None if end is None else end - 60 * self.config.stop_before_end_minutes
+
+    # ----- checkpoints ----------------------------------------------------------------------
+    def save_checkpoint(self, best: bool) -> None:
+        """Every rank contributes (state gathering); rank 0 writes; all wait for the file."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
+        # Per rank: RNG streams and the partial epoch's metric sums.
+        rng = self.strategy.all_gather_object(rng_state())
+        epoch_metrics = self.strategy.all_gather_object(self.epoch_metrics)
+        if self.dist.is_main:
+            state = {
+                "model": strip_prefixes(model_state),
+                "optimizer": optim_state,
+                "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
+                "scaler": None,
+                "epoch": self.epoch,
+                "step_in_epoch": self.step_in_epoch,
+                "global_step": self.global_step,
+                "epoch_metrics": epoch_metrics,
+                "rng": rng,
+                "world_size": self.dist.world_size,
+                "config": self._config_dict(),
+                "training_log": self.training_log.rows,
+                "best_value": self.best_value,
+                "tracking_run_id": None,
+            }
+            self.checkpoints.save(
+                state, self.epoch + (self.step_in_epoch > 0), self.global_step, best
+            )
+        self.strategy.barrier()
+        self._last_save = time.monotonic()
+
+    def _improves_best(self, row: dict[str, Any]) -> bool:
+        value = row.get(self.config.best_metric)
+        if value is None or value != value:  # missing or NaN
+            return False
+        better = self.best_value is None or (
+            value < self.best_value if self.config.best_mode == "min" else value > self.best_value
+        )
+        if better:
+            self.best_value = value
+        return better
+
+    def _config_dict(self) -> dict[str, Any]:
+        options = {}
+        if dataclasses.is_dataclass(self.options) and not isinstance(self.options, type):
+            options = dataclasses.asdict(self.options)
+        return {"train": dataclasses.asdict(self.config), "options": options}
+
+    def _restore(self) -> None:
+        """Resume (``--resume``) or start from other weights (``--load-weights``)."""
+        cfg = self.config
+        choice: str | None = None
+        if self.dist.is_main:
+            if cfg.resume == "auto":
+                found = load_latest_valid(self.checkpoints.directory, self.warn)
+                choice = None if found is None else str(found[0])
+            elif cfg.resume != "never":
+                choice = cfg.resume
+        choice = self.strategy.broadcast_object(choice)
+        if choice is not None:
+            state = load_file(Path(choice))
+            self._check_resumable(state, Path(choice))
+            self._load_state(state, optimizer=True, scheduler=True, counters=True)
+            self.progress.info(
+                f"dmltrain: resuming from {choice} (epoch {self.epoch + 1}, "
+                f"{self.step_in_epoch} steps into it, global step {self.global_step})"
+            )
+        elif cfg.load_weights:
+            state = load_file(Path(cfg.load_weights))
+            self._load_state(state, cfg.load_optimizer, cfg.load_scheduler, cfg.load_epoch)
+            self.progress.info(f"dmltrain: weights loaded from {cfg.load_weights}")
+
+    def _check_resumable(self, state: dict[str, Any], path: Path) -> None:
+        before = {
+            **state["config"]["train"],
+            **state["config"]["options"],
+            "world size": state["world_size"],
+        }
+        now = {
+            **self._config_dict()["train"],
+            **self._config_dict()["options"],
+            "world size": self.dist.world_size,
+        }
+        keys = ["batch_size", "seed", "world size", *self._config_dict()["options"]]
+        for key in keys:
+            if before.get(key) != now.get(key):
+                raise UserError(
+                    f"cannot resume from {path}: {key} is {now.get(key)!r} now but was "
+                    f"{before.get(key)!r}; use the same value, or start a new run "
+                    "(--resume never with a new --run-dir)"
+                )
+
+    def _load_state(
+        self, state: dict[str, Any], optimizer: bool, scheduler: bool, counters: bool
+    ) -> None:
+        path = Path(self.config.resume if counters else str(self.config.load_weights))
+        check_model_fits(self.strategy.eval_model(self.model), state["model"], path)
+        options = StateDictOptions(full_state_dict=True, strict=True)
+        set_model_state_dict(self.model, state["model"], options=options)
+        if optimizer:
+            set_optimizer_state_dict(
+                self.model, self.optimizer, state["optimizer"], options=options
+            )
+        if scheduler and self.scheduler is not None and state["scheduler"] is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if counters:
+            self.epoch, self.step_in_epoch = state["epoch"], state["step_in_epoch"]
+            self.global_step = state["global_step"]
+            self.epoch_metrics = state["epoch_metrics"][self.dist.rank]
+            self.best_value = state.get("best_value")
+            self.training_log.rows = list(state["training_log"])
+            if "rng" in state and len(state["rng"]) == self.dist.world_size:
+                set_rng_state(state["rng"][self.dist.rank])
 
     def resolved_config_yaml(self) -> str:
         groups = [(title, section(self.config, cls)) for title, cls in CONCERNS]
@@ -298,10 +492,11 @@ class BaseTrainer(abc.ABC):
         if self.dist.is_main:
             path = Path(self.config.run_dir or self._default_run_dir())
             error = None
-            if (path / "training_log.csv").exists():
+            resumable = self.config.resume == "auto" and list_checkpoints(path / "checkpoints")
+            if (path / "training_log.csv").exists() and not resumable:
                 error = (
-                    f"run directory {path} already holds a run (training_log.csv); "
-                    "pass a new --run-dir to start another"
+                    f"run directory {path} already holds a run (training_log.csv) with no "
+                    "checkpoint to resume; pass a new --run-dir to start another"
                 )
             decision = (str(path), error)
         run_dir, error = self.strategy.broadcast_object(decision)
@@ -310,9 +505,6 @@ class BaseTrainer(abc.ABC):
         self.config = dataclasses.replace(self.config, run_dir=run_dir)
         if self.dist.is_main:
             Path(run_dir).mkdir(parents=True, exist_ok=True)
-            text = self.resolved_config_yaml()
-            (Path(run_dir) / "config.yaml").write_text(text)
-            self.progress.info(f"dmltrain: {self.name} -> {run_dir}\n{text.rstrip()}")
         return Path(run_dir)
 
     def _spawn_workers(self) -> list[dict[str, Any]]:

@@ -118,10 +118,23 @@ def test_sgd_and_adamw_from_config(tmp_path):
 
 def test_existing_run_is_never_overwritten(tmp_path):
     fit(tmp_path, epochs=1)
-    before = (tmp_path / "run" / "training_log.csv").read_bytes()
+    run = tmp_path / "run"
+    before = {p.name: p.read_bytes() for p in run.rglob("*") if p.is_file()}
     with pytest.raises(UserError, match="already holds a run"):
+        fit(tmp_path, epochs=2, resume="never")
+    for checkpoint in (run / "checkpoints").glob("ckpt-*"):
+        checkpoint.unlink()  # a run with a log but nothing to resume from
+    with pytest.raises(UserError, match="no checkpoint to resume"):
         fit(tmp_path, epochs=2)
-    assert (tmp_path / "run" / "training_log.csv").read_bytes() == before
+    assert (run / "training_log.csv").read_bytes() == before["training_log.csv"]
+    assert (run / "config.yaml").read_bytes() == before["config.yaml"]
+
+
+def test_rerun_on_the_same_directory_continues_it(tmp_path):
+    _, first = fit(tmp_path, epochs=2)
+    trainer, rows = fit(tmp_path, epochs=3)
+    assert [r["epoch"] for r in rows] == [1, 2, 3]
+    assert rows[:2] == first and trainer.global_step == 3 * 6
 
 
 def test_default_run_dir_uses_job_id(tmp_path, monkeypatch):

@@ -20,6 +20,8 @@ class TinyOptions:
     save_weights: bool = field(default=False, metadata={"help": "save final_weights.pt"})
     die_rank: int = field(default=-1, metadata={"help": "this rank kills itself (SIGKILL)"})
     die_at_step: int = field(default=0, metadata={"help": "... at this global step"})
+    signal_rank: int = field(default=-1, metadata={"help": "this rank sends itself SIGUSR1"})
+    signal_at_step: int = field(default=0, metadata={"help": "... at this global step"})
 
 
 class TinyTrainer(BaseTrainer):
@@ -42,6 +44,8 @@ class TinyTrainer(BaseTrainer):
     def train_step(self, batch):
         if self.dist.rank == self.opts.die_rank and self.global_step == self.opts.die_at_step:
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.dist.rank == self.opts.signal_rank and self.global_step == self.opts.signal_at_step:
+            os.kill(os.getpid(), signal.SIGUSR1)
         x, y = batch
         return F.mse_loss(self.model(x), y)
 
