@@ -107,6 +107,9 @@ class CheckpointDir:
 
     def save(self, state: dict[str, Any], epoch: int, global_step: int, best: bool) -> Path:
         self.directory.mkdir(parents=True, exist_ok=True)
+        for stale in self.directory.glob(".*.tmp-*"):  # left by a writer killed mid-save
+            if not stale.name.endswith(f".tmp-{os.getpid()}"):
+                stale.unlink(missing_ok=True)
         path = self.directory / checkpoint_name(epoch, global_step)
         atomic_save({"format_version": FORMAT_VERSION, **state}, path)
         _point(self.directory / "latest.pt", path)

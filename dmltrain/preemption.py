@@ -1,9 +1,9 @@
 """Preemption: signals set a flag; the loop acts at a step boundary once all ranks agree.
 
 Nothing is done inside a signal handler except setting the flag: saving a checkpoint
-from a handler can fail at random (it may interrupt a collective or a write). The loop
-asks ``stop_requested`` after each step; every rank takes part in one small agreement
-(see ``Strategy.any_rank``), so all ranks stop in the same step.
+from a handler can fail at random (it may interrupt a collective or a write). After each
+step the loop puts ``local_request()`` into one small agreement across ranks
+(``Strategy.any_rank``), so all ranks stop in the same step.
 
 Exit status 3 (``EXIT_REQUEUE``) means "a checkpoint was saved and there is more to do":
 ``slurm/run.sh`` turns it into a requeue. Under Slurm, rank 0 also runs
@@ -40,10 +40,6 @@ class PreemptionWatcher:
         if self.requested is None and self.deadline is not None and time.time() >= self.deadline:
             self.requested = "time limit"
         return self.requested is not None
-
-    def stop_requested(self, any_rank: Callable[[bool], bool]) -> bool:
-        """True on every rank once any rank saw a signal or passed the deadline."""
-        return any_rank(self.local_request())
 
     def restore(self) -> None:
         for number, handler in self._previous.items():

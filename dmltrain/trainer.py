@@ -435,24 +435,25 @@ class BaseTrainer(abc.ABC):
             self.progress.info(f"dmltrain: weights loaded from {cfg.load_weights}")
 
     def _check_resumable(self, state: dict[str, Any], path: Path) -> None:
-        before = {
-            **state["config"]["train"],
-            **state["config"]["options"],
-            "world size": state["world_size"],
-        }
-        now = {
-            **self._config_dict()["train"],
-            **self._config_dict()["options"],
-            "world size": self.dist.world_size,
-        }
-        keys = ["batch_size", "seed", "world size", *self._config_dict()["options"]]
-        for key in keys:
-            if before.get(key) != now.get(key):
+        """Batch size, seed and world size fix the data order: they must match. Other
+        changed settings are listed in a warning."""
+        saved, now = state["config"], self._config_dict()
+        before = {**saved["train"], "world size": state["world_size"]}
+        current = {**now["train"], "world size": self.dist.world_size}
+        for key in ("batch_size", "seed", "world size"):
+            if before.get(key) != current.get(key):
                 raise UserError(
-                    f"cannot resume from {path}: {key} is {now.get(key)!r} now but was "
+                    f"cannot resume from {path}: {key} is {current.get(key)!r} now but was "
                     f"{before.get(key)!r}; use the same value, or start a new run "
                     "(--resume never with a new --run-dir)"
                 )
+        changed = [
+            f"{k}: {saved['options'].get(k)!r} -> {v!r}"
+            for k, v in now["options"].items()
+            if saved["options"].get(k) != v
+        ]
+        if changed and self.dist.is_main:
+            self.warn(f"resuming {path} with changed options: {', '.join(changed)}")
 
     def _load_state(
         self, state: dict[str, Any], optimizer: bool, scheduler: bool, counters: bool

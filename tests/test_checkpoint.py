@@ -1,0 +1,216 @@
+"""Checkpoint files: atomic writes, links, keep-last, safe loading, bit-exact resume."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT, run_cli
+from dmltrain import TrainConfig, UserError
+from dmltrain.checkpoint import CheckpointDir, list_checkpoints, load_file, load_latest_valid
+from dmltrain.training_log import read_training_log
+from tiny import TinyOptions, TinyTrainer
+
+TINY = ["tiny", "--epochs", "3", "--batch-size", "8", "--save-weights", "--progress", "off"]
+
+
+def fit(run, **config):
+    config = {"epochs": 2, "batch_size": 16, "progress": "off", **config}
+    trainer = TinyTrainer(TrainConfig(run_dir=str(run), **config), TinyOptions(save_weights=True))
+    return trainer, trainer.fit()
+
+
+def assert_same_run(a, b):
+    """Final weights torch.equal and identical training-log numbers."""
+    wa = torch.load(a / "final_weights.pt", weights_only=True)
+    wb = torch.load(b / "final_weights.pt", weights_only=True)
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)
+    strip = [
+        {k: v for k, v in r.items() if k != "epoch_time_s"}
+        for r in read_training_log(a / "training_log.csv")
+    ]
+    other = [
+        {k: v for k, v in r.items() if k != "epoch_time_s"}
+        for r in read_training_log(b / "training_log.csv")
+    ]
+    assert strip == other
+
+
+def test_contents_load_with_plain_torch_and_no_prefixes(tmp_path):
+    run = tmp_path / "run"
+    fit(run, nprocs=1)
+    latest = run / "checkpoints" / "latest.pt"
+    code = textwrap.dedent(f"""
+        import sys, torch
+        state = torch.load({str(latest)!r}, weights_only=True)
+        assert "dmltrain" not in sys.modules
+        print(sorted(state))
+        print(sorted(state["model"]))
+    """)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr
+    keys, model_keys = done.stdout.splitlines()
+    for key in (
+        "model",
+        "optimizer",
+        "scheduler",
+        "scaler",
+        "epoch",
+        "step_in_epoch",
+        "global_step",
+        "rng",
+        "config",
+        "training_log",
+        "tracking_run_id",
+        "format_version",
+        "epoch_metrics",
+        "best_value",
+    ):
+        assert f"'{key}'" in keys
+    assert "module." not in model_keys and "0.weight" in model_keys
+    state = load_file(latest)
+    assert state["epoch"] == 2 and state["global_step"] == 12 and len(state["training_log"]) == 2
+    assert state["config"]["train"]["batch_size"] == 16
+
+
+def test_keep_last_and_best(tmp_path):
+    directory = CheckpointDir(tmp_path / "ck", keep_last=2)
+    for step in range(1, 6):
+        directory.save({"model": {"w": torch.tensor([float(step)])}}, step, step, best=step == 2)
+    names = sorted(p.name for p in list_checkpoints(tmp_path / "ck"))
+    assert names == [
+        "ckpt-000002-00000002.pt",
+        "ckpt-000004-00000004.pt",
+        "ckpt-000005-00000005.pt",
+    ]
+    assert (tmp_path / "ck" / "latest.pt").resolve().name == "ckpt-000005-00000005.pt"
+    assert load_file(tmp_path / "ck" / "best.pt")["model"]["w"].item() == 2.0
+    assert not [p for p in (tmp_path / "ck").iterdir() if p.name.startswith(".")]
+
+
+def test_corrupt_latest_falls_back_to_the_previous(tmp_path):
+    directory = CheckpointDir(tmp_path / "ck", keep_last=0)
+    for step in (1, 2):
+        directory.save({"model": {"w": torch.tensor([float(step)])}}, step, step, best=False)
+    newest = list_checkpoints(tmp_path / "ck")[0]
+    newest.write_bytes(newest.read_bytes()[:100])  # truncated
+    warnings = []
+    path, state = load_latest_valid(tmp_path / "ck", warnings.append)
+    assert path.name == "ckpt-000001-00000001.pt" and state["model"]["w"].item() == 1.0
+    assert len(warnings) == 1 and "truncated or corrupt" in warnings[0]
+    with pytest.raises(UserError, match="truncated or corrupt"):
+        load_file(newest)
+    with pytest.raises(UserError, match="does not exist"):
+        load_file(tmp_path / "nope.pt")
+
+
+def test_resume_skips_a_corrupt_latest_and_ends_the_same(tmp_path):
+    fit(tmp_path / "ref", epochs=3)
+    run = tmp_path / "run"
+    fit(run, epochs=2, keep_last=0)
+    newest = list_checkpoints(run / "checkpoints")[0]
+    newest.write_bytes(b"garbage")
+    _trainer, rows = fit(run, epochs=3, keep_last=0)  # resumes from the end of epoch 1
+    assert [r["epoch"] for r in rows] == [1, 2, 3]
+    assert_same_run(tmp_path / "ref", run)
+
+
+def test_wrong_model_names_keys_and_shapes(tmp_path):
+    run = tmp_path / "run"
+    fit(run, epochs=1)
+    other = TinyTrainer(
+        TrainConfig(
+            run_dir=str(tmp_path / "other"),
+            progress="off",
+            load_weights=str(run / "checkpoints" / "latest.pt"),
+        ),
+        TinyOptions(features=5),
+    )
+    expected = (
+        r"does not fit this model: shape mismatch: 0.weight \(8, 4\) in checkpoint vs \(8, 5\)"
+    )
+    with pytest.raises(UserError, match=expected):
+        other.fit()
+
+
+def test_config_mismatch_on_resume_is_refused_and_nothing_overwritten(tmp_path):
+    run = tmp_path / "run"
+    done = run_cli(*TINY, "--epochs", "1", "--run-dir", str(run), cwd=tmp_path)
+    assert done.returncode == 0
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    again = run_cli(*TINY, "--batch-size", "4", "--run-dir", str(run), cwd=tmp_path)
+    assert again.returncode == 2
+    (line,) = again.stderr.strip().splitlines()
+    assert "cannot resume" in line and "batch_size is 4 now but was 8" in line
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    missing = run_cli(
+        *TINY, "--resume", str(tmp_path / "no.pt"), "--run-dir", str(tmp_path / "r2"), cwd=tmp_path
+    )
+    assert missing.returncode == 2 and "does not exist" in missing.stderr
+
+
+def test_load_weights_for_fine_tuning(tmp_path):
+    source, _ = fit(tmp_path / "src", epochs=2)
+    latest = str(tmp_path / "src" / "checkpoints" / "latest.pt")
+    fresh, rows = fit(tmp_path / "ft", epochs=1, load_weights=latest, lr=1e-9)
+    assert [r["epoch"] for r in rows] == [1]  # counters start over
+    for a, b in zip(source.model.parameters(), fresh.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)  # lr 1e-9: unchanged
+    continued, rows = fit(
+        tmp_path / "ft2",
+        epochs=3,
+        load_weights=latest,
+        load_optimizer=True,
+        load_scheduler=True,
+        load_epoch=True,
+    )
+    assert [r["epoch"] for r in rows] == [1, 2, 3] and continued.global_step == 18
+
+
+SAVER = textwrap.dedent("""
+    import sys, torch
+    from pathlib import Path
+    from dmltrain.checkpoint import CheckpointDir
+    directory = CheckpointDir(Path(sys.argv[1]), keep_last=2)
+    big = {"w": torch.randn(3_000_000)}
+    print("ready", flush=True)
+    step = 0
+    while True:
+        step += 1
+        directory.save({"model": big, "step": step}, step, step, best=step % 3 == 0)
+""")
+
+
+def test_kill_9_during_writes_never_breaks_latest(tmp_path):
+    """Crash consistency: 20 hard kills at random moments of a save loop."""
+    directory = tmp_path / "ck"
+    rng = random.Random(0)
+    for _ in range(20):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", SAVER, str(directory)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+        time.sleep(rng.uniform(0.0, 0.4))  # somewhere inside a save, most of the time
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        found = load_latest_valid(directory, lambda message: pytest.fail(message))
+        if found is None:
+            continue  # killed before the first save finished
+        _path, state = found
+        assert state["model"]["w"].shape == (3_000_000,)
+        latest = directory / "latest.pt"
+        if latest.exists():
+            assert load_file(latest)["step"] <= state["step"]
+    assert list_checkpoints(directory), "no save ever completed"
+    assert len(list(directory.glob(".*.tmp-*"))) <= 1  # stale partial files are cleaned up

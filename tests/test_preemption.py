@@ -1,0 +1,114 @@
+"""Preemption with real signals and real kills; resumed runs must equal uninterrupted ones."""
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from test_checkpoint import assert_same_run
+
+from conftest import run_cli
+from dmltrain.checkpoint import list_checkpoints, load_file
+from dmltrain.preemption import PreemptionWatcher
+
+TINY = ["tiny", "--epochs", "3", "--batch-size", "8", "--save-weights", "--progress", "off"]
+
+
+def test_handler_only_sets_a_flag():
+    watcher = PreemptionWatcher(["SIGUSR1"])
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert watcher.requested == "SIGUSR1"
+        assert watcher.local_request() is True
+    finally:
+        watcher.restore()
+    assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
+
+
+def test_deadline_before_the_time_limit():
+    watcher = PreemptionWatcher([], deadline=time.time() - 1)
+    assert watcher.local_request() and watcher.requested == "time limit"
+    assert not PreemptionWatcher([], deadline=time.time() + 3600).local_request()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    runs = {}
+    for nprocs in (1, 2):
+        run = tmp_path_factory.mktemp(f"full{nprocs}") / "run"
+        done = run_cli(*TINY, "--nprocs", str(nprocs), "--run-dir", str(run), cwd=run.parent)
+        assert done.returncode == 0, done.stderr
+        runs[nprocs] = run
+    return runs
+
+
+def interrupt_then_resume(run, first, nprocs):
+    args = [*TINY, "--nprocs", str(nprocs), "--run-dir", str(run)]
+    done = run_cli(*args, *first, cwd=run.parent)
+    resumed = run_cli(*args, cwd=run.parent)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "dmltrain: resuming from" in resumed.stdout
+    return done, resumed
+
+
+@pytest.mark.parametrize("nprocs", [1, 2])
+@pytest.mark.parametrize("when", ["mid-epoch", "last step of an epoch", "second epoch"])
+def test_sigusr1_then_resume_is_bit_exact(uninterrupted, tmp_path, nprocs, when):
+    per_epoch = 96 // (8 * nprocs)
+    # the signal arrives during the step taken at this global step (0-based)
+    step = {"mid-epoch": per_epoch // 2, "last step of an epoch": per_epoch - 1,
+            "second epoch": per_epoch + 2}[when]  # fmt: skip
+    run = tmp_path / "run"
+    rank = str(nprocs - 1)
+    done, _ = interrupt_then_resume(
+        run, ["--signal-rank", rank, "--signal-at-step", str(step)], nprocs
+    )
+    assert done.returncode == 3, done.stderr
+    assert "preempted (SIGUSR1)" in done.stderr or "checkpoint saved" in done.stderr
+    assert_same_run(uninterrupted[nprocs], run)
+    final = load_file(run / "checkpoints" / "latest.pt")
+    assert final["global_step"] == 3 * per_epoch  # no step taken twice or skipped
+
+
+@pytest.mark.parametrize("nprocs", [1, 2])
+def test_kill_9_after_a_step_checkpoint_then_resume_is_bit_exact(uninterrupted, tmp_path, nprocs):
+    run = tmp_path / "run"
+    kill = ["--checkpoint-every-steps", "4", "--die-rank", str(nprocs - 1), "--die-at-step", "9"]
+    done, resumed = interrupt_then_resume(run, kill, nprocs)
+    assert done.returncode != 0
+    assert "global step 8" in resumed.stdout  # the last step checkpoint before the kill
+    assert_same_run(uninterrupted[nprocs], run)
+
+
+def test_without_scontrol_the_save_completes_and_exit_status_is_3(tmp_path):
+    run = tmp_path / "run"
+    bare_path = str(Path(sys.executable).parent)  # python, but no scontrol
+    done = run_cli(*TINY, "--signal-rank", "0", "--signal-at-step", "3", "--run-dir", str(run),
+                   cwd=tmp_path, PATH=bare_path, SLURM_JOB_ID="4242")  # fmt: skip
+    assert done.returncode == 3
+    assert "scontrol is not available here: not requeueing job 4242" in done.stdout
+    assert load_file(run / "checkpoints" / "latest.pt")["global_step"] == 4
+
+
+def test_repeated_preemptions_do_not_fill_the_disk(tmp_path):
+    run = tmp_path / "run"
+    args = [*TINY, "--epochs", "4", "--keep-last", "2", "--checkpoint-every-steps", "1",
+            "--run-dir", str(run)]  # fmt: skip
+    for step in (2, 6, 10, 14, 20):
+        done = run_cli(*args, "--signal-rank", "0", "--signal-at-step", str(step), cwd=tmp_path)
+        assert done.returncode == 3, done.stderr
+    done = run_cli(*args, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert len(list_checkpoints(run / "checkpoints")) <= 3  # keep-last 2, plus the best
+
+
+def test_epochs_per_job_chain(uninterrupted, tmp_path):
+    run = tmp_path / "run"
+    codes = []
+    for _ in range(3):
+        done = run_cli(*TINY, "--epochs-per-job", "1", "--run-dir", str(run), cwd=tmp_path)
+        codes.append(done.returncode)
+    assert codes == [3, 3, 0]
+    assert_same_run(uninterrupted[1], run)
