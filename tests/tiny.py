@@ -2,6 +2,7 @@
 
 import os
 import signal
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -22,6 +23,7 @@ class TinyOptions:
     die_at_step: int = field(default=0, metadata={"help": "... at this global step"})
     signal_rank: int = field(default=-1, metadata={"help": "this rank sends itself SIGUSR1"})
     signal_at_step: int = field(default=0, metadata={"help": "... at this global step"})
+    step_sleep: float = field(default=0.0, metadata={"help": "seconds to sleep each step"})
 
 
 class TinyTrainer(BaseTrainer):
@@ -46,6 +48,8 @@ class TinyTrainer(BaseTrainer):
             os.kill(os.getpid(), signal.SIGKILL)
         if self.dist.rank == self.opts.signal_rank and self.global_step == self.opts.signal_at_step:
             os.kill(os.getpid(), signal.SIGUSR1)
+        if self.opts.step_sleep:
+            time.sleep(self.opts.step_sleep)  # a slow step, so a test can signal mid-run
         x, y = batch
         return F.mse_loss(self.model(x), y)
 

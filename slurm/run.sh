@@ -1,0 +1,56 @@
+#!/bin/bash
+# dmltrain's generic Slurm batch script. Usage (any dmltrain flags pass through):
+#
+#   sbatch slurm/run.sh mnist --epochs 10
+#   sbatch --nodes=2 --ntasks-per-node=4 --gpus-per-node=4 slurm/run.sh mnist --epochs 10
+#   DMLTRAIN_ENV=myenv sbatch slurm/run.sh mnist    # conda env name, or the path of a venv
+#
+# Every #SBATCH line below is a default; the same option on the sbatch command line wins.
+#SBATCH --job-name=dmltrain
+# One node by default; multi-node jobs just ask for more.
+#SBATCH --nodes=1
+# One task (= one training process) per GPU; on CPU nodes, one per process you want.
+#SBATCH --ntasks-per-node=1
+# CPU cores per task: the training process plus its DataLoader workers.
+#SBATCH --cpus-per-task=4
+#SBATCH --time=01:00:00
+# Let Slurm (and dmltrain, after a preemption checkpoint) put the job back in the queue.
+#SBATCH --requeue
+# Keep appending to one log file across requeues instead of truncating it.
+#SBATCH --open-mode=append
+#SBATCH --output=%x-%j.out
+# USR1 to the job steps (the training processes; no "B:") 5 minutes before the time
+# limit: dmltrain checkpoints at the next step and requeues the job.
+#SBATCH --signal=USR1@300
+
+set -uo pipefail
+
+# The environment to train in: DMLTRAIN_ENV is a venv directory or a conda env name.
+if [ -n "${DMLTRAIN_ENV:-}" ]; then
+    if [ -f "$DMLTRAIN_ENV/bin/activate" ]; then
+        # shellcheck disable=SC1091
+        source "$DMLTRAIN_ENV/bin/activate"
+    else
+        eval "$(conda shell.bash hook)" && conda activate "$DMLTRAIN_ENV" || exit 1
+    fi
+fi
+
+job=${SLURM_JOB_ID:?run this script with sbatch}
+if [ -n "${SLURM_ARRAY_JOB_ID:-}" ]; then
+    job="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"  # requeue this task, not the array
+fi
+echo "dmltrain: job $job, restart ${SLURM_RESTART_COUNT:-0}, nodes ${SLURM_JOB_NODELIST:-?}"
+
+# The default run directory (runs/<experiment>-<job id>) is the same after a requeue,
+# so the job resumes its own latest checkpoint with no extra flag.
+srun --kill-on-bad-exit=1 dmltrain "$@"
+status=$?
+
+# Exit status 3: a checkpoint was saved and there is more to do (--epochs-per-job, or a
+# preemption where dmltrain could not requeue the job itself).
+if [ "$status" -eq 3 ]; then
+    echo "dmltrain: checkpoint saved, requeueing job $job"
+    scontrol requeue "$job" || echo "dmltrain: requeue failed; resubmit with: sbatch $0 $*"
+    exit 0
+fi
+exit "$status"

@@ -1,0 +1,93 @@
+"""slurm/run.sh on a real single-node Slurm cluster: plain runs, preemption with requeue,
+and the --epochs-per-job chain. Each final log and weights equal an uninterrupted run."""
+
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from test_checkpoint import assert_same_run
+
+from conftest import ROOT, cli_env, run_cli
+
+RUN_SH = str(ROOT / "slurm" / "run.sh")
+TINY = ["tiny", "--epochs", "3", "--batch-size", "8", "--save-weights", "--progress", "log",
+        "--log-every", "1"]  # fmt: skip
+
+
+def sbatch(cwd: Path, *args: str) -> str:
+    done = subprocess.run(
+        ["sbatch", "--parsable", "--ntasks-per-node", "2", "--cpus-per-task", "1", "--time", "10",
+         "--output", str(cwd / "job.out"), RUN_SH, *args],
+        cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().split(";")[0]
+
+
+def job_field(job: str, name: str) -> str:
+    out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
+    match = re.search(rf"\b{name}=(\S+)", out)
+    return match.group(1) if match else ""
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def release_requeues_until_done(job: str, cwd: Path, timeout: float = 300) -> None:
+    """A requeued job waits (BeginTime) before it restarts; start it at once, as an admin
+    would, until the job completes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = job_field(job, "JobState")
+        if state == "COMPLETED":
+            return
+        if state in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            break
+        if state == "PENDING" and job_field(job, "Reason") == "BeginTime":
+            subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"])
+        time.sleep(1)
+    log = (cwd / "job.out").read_text() if (cwd / "job.out").exists() else ""
+    raise AssertionError(f"job {job} ended {job_field(job, 'JobState')}:\n{log[-3000:]}")
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run = tmp_path_factory.mktemp("ref") / "run"
+    done = run_cli(*TINY, "--nprocs", "2", "--run-dir", str(run), cwd=run.parent)
+    assert done.returncode == 0, done.stderr
+    return run
+
+
+def test_run_sh_passes_shellcheck():
+    subprocess.run(["shellcheck", RUN_SH], check=True)
+
+
+def test_preempted_job_checkpoints_requeues_resumes_and_completes(slurm, reference, tmp_path):
+    job = sbatch(tmp_path, *TINY, "--step-sleep", "0.4")
+    run = tmp_path / "runs" / f"tiny-{job}"  # the default run directory, found again
+    out = tmp_path / "job.out"
+    wait_for(lambda: out.exists() and "epoch 1/3 step 3/" in out.read_text(), 120, "training")
+    subprocess.run(["scancel", "--signal=USR1", job], check=True)
+    release_requeues_until_done(job, tmp_path)
+    log = out.read_text()
+    assert "preempted (SIGUSR1)" in log and "requeued Slurm job" in log
+    assert "dmltrain: resuming from" in log and "restart 1" in log
+    assert job_field(job, "Restarts") == "1"
+    assert_same_run(reference, run)
+
+
+def test_epochs_per_job_chain_through_requeue(slurm, reference, tmp_path):
+    job = sbatch(tmp_path, *TINY, "--epochs-per-job", "1")
+    release_requeues_until_done(job, tmp_path)
+    log = (tmp_path / "job.out").read_text()
+    assert log.count("checkpoint saved, requeueing job") == 2
+    assert job_field(job, "Restarts") == "2"
+    assert_same_run(reference, tmp_path / "runs" / f"tiny-{job}")
