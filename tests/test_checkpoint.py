@@ -214,3 +214,13 @@ def test_kill_9_during_writes_never_breaks_latest(tmp_path):
             assert load_file(latest)["step"] <= state["step"]
     assert list_checkpoints(directory), "no save ever completed"
     assert len(list(directory.glob(".*.tmp-*"))) <= 1  # stale partial files are cleaned up
+
+
+def test_best_tracks_the_metric_and_time_based_saves_happen(tmp_path):
+    run = tmp_path / "run"
+    trainer, rows = fit(run, epochs=4, keep_last=0, checkpoint_every_minutes=1e-6)
+    best_epoch = min(rows, key=lambda r: r["val_loss"])["epoch"]
+    best = load_file(run / "checkpoints" / "best.pt")
+    assert best["epoch"] == best_epoch and best["best_value"] == min(r["val_loss"] for r in rows)
+    # every step was "due" by time: one checkpoint per step plus the epoch-end ones
+    assert len(list_checkpoints(run / "checkpoints")) >= trainer.global_step
