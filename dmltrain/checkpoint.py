@@ -14,6 +14,7 @@ any machine, without dmltrain.
 
 import os
 import random
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -98,14 +99,65 @@ def load_latest_valid(directory: Path, warn: Any) -> tuple[Path, dict[str, Any]]
     return None
 
 
-class CheckpointDir:
-    """Writes checkpoints of one run (on rank 0) and keeps the newest ``keep_last``."""
+def snapshot(obj: Any) -> Any:
+    """A copy of ``obj`` whose tensors no longer share memory with the live model."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {key: snapshot(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(snapshot(value) for value in obj)
+    return obj
 
-    def __init__(self, directory: Path, keep_last: int) -> None:
+
+class CheckpointDir:
+    """Writes checkpoints of one run (on rank 0) and keeps the newest ``keep_last``.
+
+    With ``asynchronous=True`` a save copies the state (the only part that blocks the
+    loop) and writes it in a background thread; one write is in flight at a time, and a
+    failed write is raised at the next ``save`` or ``wait``.
+    """
+
+    def __init__(self, directory: Path, keep_last: int, asynchronous: bool = False) -> None:
         self.directory = directory
         self.keep_last = keep_last
+        self.asynchronous = asynchronous
+        self._writer: threading.Thread | None = None
+        self._failure: BaseException | None = None
 
-    def save(self, state: dict[str, Any], epoch: int, global_step: int, best: bool) -> Path:
+    def save(
+        self, state: dict[str, Any], epoch: int, global_step: int, best: bool, wait: bool = False
+    ) -> Path:
+        self.wait()
+        path = self.directory / checkpoint_name(epoch, global_step)
+        if not self.asynchronous or wait:
+            self._write(state, epoch, global_step, best)
+            return path
+        copy = snapshot(state)
+        self._writer = threading.Thread(
+            target=self._write_in_background, args=(copy, epoch, global_step, best)
+        )
+        self._writer.start()
+        return path
+
+    def wait(self) -> None:
+        """Block until the write in flight (if any) is on disk; re-raise its failure."""
+        if self._writer is not None:
+            self._writer.join()
+            self._writer = None
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise UserError(f"writing a checkpoint in {self.directory} failed: {failure}")
+
+    def _write_in_background(
+        self, state: dict[str, Any], epoch: int, step: int, best: bool
+    ) -> None:
+        try:
+            self._write(state, epoch, step, best)
+        except BaseException as exc:
+            self._failure = exc
+
+    def _write(self, state: dict[str, Any], epoch: int, global_step: int, best: bool) -> Path:
         self.directory.mkdir(parents=True, exist_ok=True)
         for stale in self.directory.glob(".*.tmp-*"):  # left by a writer killed mid-save
             if not stale.name.endswith(f".tmp-{os.getpid()}"):

@@ -128,6 +128,13 @@ class CheckpointConfig:
     keep_last: int = field(
         default=3, metadata={"help": "keep the newest K checkpoints (and the best); 0 keeps all"}
     )
+    async_checkpoint: bool = field(
+        default=False,
+        metadata={
+            "help": "write checkpoints in a background thread (the loop only waits "
+            "for a copy of the state)"
+        },
+    )
     best_metric: str = field(
         default="val_loss", metadata={"help": "metric of the training log that picks best.pt"}
     )

@@ -219,6 +219,11 @@ class BaseTrainer(abc.ABC):
         finally:
             if hasattr(self, "watcher"):
                 self.watcher.restore()
+            if hasattr(self, "checkpoints") and self.dist.is_main:
+                try:
+                    self.checkpoints.wait()  # never exit with a write half done
+                except UserError as exc:
+                    self.warn(str(exc))
             self.strategy.teardown()
 
     def _fit(self) -> list[dict[str, Any]]:
@@ -252,6 +257,8 @@ class BaseTrainer(abc.ABC):
                     f"{self.epoch}/{self.config.epochs} in all; exit status 3: requeue to go on"
                 )
         self.on_train_end()
+        if self.dist.is_main:
+            self.checkpoints.wait()
         return self.training_log.rows
 
     def train_epoch(self, epoch: int) -> dict[str, float]:
@@ -297,7 +304,7 @@ class BaseTrainer(abc.ABC):
         if not (preempt or due or timed):
             return
         self.epoch_metrics = metrics.state_dict()
-        self.save_checkpoint(best=False)
+        self.save_checkpoint(best=False, wait=preempt)  # the process exits right after
         self.epoch_metrics = None
         if preempt:
             if self.dist.is_main and cfg.requeue:
@@ -346,7 +353,9 @@ class BaseTrainer(abc.ABC):
         self.optimizer = self.strategy.wrap_optimizer(optimizer, self.model)
         self.scheduler = self.create_scheduler(self.optimizer)
         self.training_log = TrainingLog(self.run_dir / "training_log.csv")
-        self.checkpoints = CheckpointDir(self.run_dir / "checkpoints", self.config.keep_last)
+        self.checkpoints = CheckpointDir(
+            self.run_dir / "checkpoints", self.config.keep_last, self.config.async_checkpoint
+        )
         self._restore()
         if self.dist.is_main:
             text = self.resolved_config_yaml()
@@ -363,7 +372,7 @@ class BaseTrainer(abc.ABC):
         return None if end is None else end - 60 * self.config.stop_before_end_minutes
 
     # ----- checkpoints ----------------------------------------------------------------------
-    def save_checkpoint(self, best: bool) -> None:
+    def save_checkpoint(self, best: bool, wait: bool = False) -> None:
         """Every rank contributes (state gathering); rank 0 writes; all wait for the file."""
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
         model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
@@ -387,9 +396,8 @@ class BaseTrainer(abc.ABC):
                 "best_value": self.best_value,
                 "tracking_run_id": None,
             }
-            self.checkpoints.save(
-                state, self.epoch + (self.step_in_epoch > 0), self.global_step, best
-            )
+            epoch = self.epoch + (self.step_in_epoch > 0)
+            self.checkpoints.save(state, epoch, self.global_step, best, wait=wait)
         self.strategy.barrier()
         self._last_save = time.monotonic()
 

@@ -224,3 +224,28 @@ def test_best_tracks_the_metric_and_time_based_saves_happen(tmp_path):
     assert best["epoch"] == best_epoch and best["best_value"] == min(r["val_loss"] for r in rows)
     # every step was "due" by time: one checkpoint per step plus the epoch-end ones
     assert len(list_checkpoints(run / "checkpoints")) >= trainer.global_step
+
+
+def test_async_save_writes_a_snapshot_and_reports_failures(tmp_path):
+    directory = CheckpointDir(tmp_path / "ck", keep_last=0, asynchronous=True)
+    weights = torch.zeros(1_000_000)
+    directory.save({"model": {"w": weights}}, 1, 1, best=False)
+    weights += 1  # the loop goes on changing the model while the write happens
+    directory.wait()
+    assert load_file(tmp_path / "ck" / "latest.pt")["model"]["w"].sum().item() == 0.0
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("a file where the checkpoint directory should be")
+    failing = CheckpointDir(blocked, keep_last=0, asynchronous=True)
+    failing.save({"model": {}}, 1, 1, best=False)
+    with pytest.raises(UserError, match=r"writing a checkpoint in .* failed"):
+        failing.wait()
+
+
+def test_async_checkpoints_give_the_same_run(tmp_path):
+    fit(tmp_path / "sync", epochs=3, checkpoint_every_steps=2)
+    fit(tmp_path / "async", epochs=3, checkpoint_every_steps=2, async_checkpoint=True)
+    assert_same_run(tmp_path / "sync", tmp_path / "async")
+    a = load_file(tmp_path / "sync" / "checkpoints" / "latest.pt")
+    b = load_file(tmp_path / "async" / "checkpoints" / "latest.pt")
+    assert a["global_step"] == b["global_step"]
+    assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
