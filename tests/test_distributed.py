@@ -83,6 +83,7 @@ def reference(tmp_path_factory):
 def test_spawn_writes_once_from_rank_0(reference):
     run, done = reference
     assert sorted(p.name for p in run.iterdir()) == [
+        "checkpoints",
         "config.yaml",
         "final_weights.pt",
         "training_log.csv",
