@@ -208,6 +208,10 @@ class BaseTrainer(abc.ABC):
         """Train for ``config.epochs`` epochs; returns the training log's rows."""
         if self.dist.launcher == "spawn" and not self._spawned_worker:
             return self._spawn_workers()
+        # Signals are caught from here on (setup can take long); the loop acts on them.
+        self.watcher = preemption.PreemptionWatcher(
+            [n.strip() for n in self.config.preempt_signals.split(",") if n.strip()]
+        )
         try:
             self.setup()
             return self._fit()
@@ -361,15 +365,24 @@ class BaseTrainer(abc.ABC):
             text = self.resolved_config_yaml()
             (self.run_dir / "config.yaml").write_text(text)
             self.progress.info(f"dmltrain: {self.name} -> {self.run_dir}\n{text.rstrip()}")
-        self.watcher = preemption.PreemptionWatcher(
-            [n.strip() for n in self.config.preempt_signals.split(",") if n.strip()],
-            self.strategy.broadcast_object(self._deadline() if self.dist.is_main else None),
+        self.watcher.deadline = self.strategy.broadcast_object(
+            self._deadline() if self.dist.is_main else None
         )
         self._last_save = time.monotonic()
 
     def _deadline(self) -> float | None:
+        """When to checkpoint and stop before the Slurm time limit (rank 0 asks Slurm)."""
         end = preemption.slurm_end_time(self.dist.job_id) if self.dist.job_id else None
-        return None if end is None else end - 60 * self.config.stop_before_end_minutes
+        if end is None:
+            return None
+        deadline = end - 60 * self.config.stop_before_end_minutes
+        if deadline <= time.time():  # stopping now would only requeue forever
+            self.warn(
+                f"--stop-before-end-minutes {self.config.stop_before_end_minutes} is more than "
+                f"the time left in job {self.dist.job_id}; not stopping early"
+            )
+            return None
+        return deadline
 
     # ----- checkpoints ----------------------------------------------------------------------
     def save_checkpoint(self, best: bool, wait: bool = False) -> None:

@@ -42,12 +42,16 @@ fi
 echo "dmltrain: job $job, restart ${SLURM_RESTART_COUNT:-0}, nodes ${SLURM_JOB_NODELIST:-?}"
 
 # The default run directory (runs/<experiment>-<job id>) is the same after a requeue,
-# so the job resumes its own latest checkpoint with no extra flag.
-srun --kill-on-bad-exit=1 dmltrain "$@"
+# so the job resumes its own latest checkpoint with no extra flag. --no-requeue: this
+# script requeues (below) once srun has returned, so that a requeue never cancels the
+# job while its steps are still exiting. No --kill-on-bad-exit: ranks leaving with status
+# 3 must not be killed while they finish; a rank that fails stops the others anyway
+# (--dist-timeout).
+srun dmltrain "$@" --no-requeue
 status=$?
 
-# Exit status 3: a checkpoint was saved and there is more to do (--epochs-per-job, or a
-# preemption where dmltrain could not requeue the job itself).
+# Exit status 3: a checkpoint was saved and there is more to do (a preemption, the time
+# limit coming, or --epochs-per-job).
 if [ "$status" -eq 3 ]; then
     echo "dmltrain: checkpoint saved, requeueing job $job"
     scontrol requeue "$job" || echo "dmltrain: requeue failed; resubmit with: sbatch $0 $*"

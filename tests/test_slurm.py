@@ -12,16 +12,43 @@ from test_checkpoint import assert_same_run
 from conftest import ROOT, cli_env, run_cli
 
 RUN_SH = str(ROOT / "slurm" / "run.sh")
-TINY = ["tiny", "--epochs", "3", "--batch-size", "8", "--save-weights", "--progress", "log",
-        "--log-every", "1"]  # fmt: skip
+TINY = [
+    "tiny",
+    "--epochs",
+    "3",
+    "--batch-size",
+    "8",
+    "--save-weights",
+    "--progress",
+    "log",
+    "--log-every",
+    "1",
+]
 
 
-def sbatch(cwd: Path, *args: str) -> str:
+def sbatch(cwd: Path, *args: str, options: tuple[str, ...] = ()) -> str:
     done = subprocess.run(
-        ["sbatch", "--parsable", "--ntasks-per-node", "2", "--cpus-per-task", "1", "--time", "10",
-         "--output", str(cwd / "job.out"), RUN_SH, *args],
-        cwd=cwd, env=cli_env(), capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        [
+            "sbatch",
+            "--parsable",
+            "--ntasks-per-node",
+            "2",
+            "--cpus-per-task",
+            "1",
+            "--time",
+            "10",
+            "--output",
+            str(cwd / "job.out"),
+            *options,
+            RUN_SH,
+            *args,
+        ],
+        cwd=cwd,
+        env=cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     return done.stdout.strip().split(";")[0]
 
@@ -52,6 +79,9 @@ def release_requeues_until_done(job: str, cwd: Path, timeout: float = 300) -> No
         if state in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
             break
         if state == "PENDING" and job_field(job, "Reason") == "BeginTime":
+            # Released at once, Slurm may restart the job before its last run has finished
+            # completing and kill it ("Job credential revoked"); an admin waits a moment.
+            time.sleep(5)
             subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"])
         time.sleep(1)
     log = (cwd / "job.out").read_text() if (cwd / "job.out").exists() else ""
@@ -78,7 +108,7 @@ def test_preempted_job_checkpoints_requeues_resumes_and_completes(slurm, referen
     subprocess.run(["scancel", "--signal=USR1", job], check=True)
     release_requeues_until_done(job, tmp_path)
     log = out.read_text()
-    assert "preempted (SIGUSR1)" in log and "requeued Slurm job" in log
+    assert "preempted (SIGUSR1)" in log and "checkpoint saved, requeueing job" in log
     assert "dmltrain: resuming from" in log and "restart 1" in log
     assert job_field(job, "Restarts") == "1"
     assert_same_run(reference, run)
@@ -90,4 +120,25 @@ def test_epochs_per_job_chain_through_requeue(slurm, reference, tmp_path):
     log = (tmp_path / "job.out").read_text()
     assert log.count("checkpoint saved, requeueing job") == 2
     assert job_field(job, "Restarts") == "2"
+    assert_same_run(reference, tmp_path / "runs" / f"tiny-{job}")
+
+
+def test_time_limit_stops_the_job_in_time_and_it_resumes(slurm, reference, tmp_path):
+    """No signal at all: dmltrain reads the job's end time from Slurm and stops
+    --stop-before-end-minutes before it (here 114 s of a 2-minute job, so each run stops
+    about 6 s after it starts). USR1 would come only a second before the limit."""
+    job = sbatch(
+        tmp_path,
+        *TINY,
+        "--step-sleep",
+        "0.5",
+        "--stop-before-end-minutes",
+        "1.9",
+        options=("--time", "2", "--signal", "USR1@1"),
+    )
+    release_requeues_until_done(job, tmp_path)
+    log = (tmp_path / "job.out").read_text()
+    assert "preempted (time limit)" in log
+    assert int(job_field(job, "Restarts")) >= 1
+    assert "--stop-before-end-minutes" not in log  # the deadline was in the future each time
     assert_same_run(reference, tmp_path / "runs" / f"tiny-{job}")
