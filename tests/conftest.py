@@ -8,6 +8,9 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
+
+from dmltrain.training_log import read_training_log
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
@@ -91,3 +94,27 @@ def slurm():
         if REQUIRE_ALL:
             pytest.fail(message)
         pytest.skip(message)
+
+
+def log_numbers(run: Path) -> list[dict[str, float]]:
+    """The training log without its wall-clock column."""
+    rows = read_training_log(run / "training_log.csv")
+    return [{k: v for k, v in row.items() if k != "epoch_time_s"} for row in rows]
+
+
+def assert_same_run(run_a: Path, run_b: Path, rel: float = 0.0) -> None:
+    """Same final weights (final_weights.pt) and training-log numbers: bitwise when rel is
+    0, else within ``rel`` relative."""
+    a, b = log_numbers(run_a), log_numbers(run_b)
+    wa = torch.load(run_a / "final_weights.pt", weights_only=True)
+    wb = torch.load(run_b / "final_weights.pt", weights_only=True)
+    assert len(a) == len(b) and list(wa) == list(wb)
+    if rel == 0.0:
+        assert a == b
+        for key in wa:
+            assert torch.equal(wa[key], wb[key]), key
+        return
+    for row_a, row_b in zip(a, b, strict=True):
+        assert row_a == pytest.approx(row_b, rel=rel)
+    for key in wa:
+        torch.testing.assert_close(wa[key], wb[key], rtol=rel, atol=rel)

@@ -11,10 +11,9 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, run_cli
+from conftest import ROOT, assert_same_run, run_cli
 from dmltrain import TrainConfig, UserError
 from dmltrain.checkpoint import CheckpointDir, list_checkpoints, load_file, load_latest_valid
-from dmltrain.training_log import read_training_log
 from tiny import TinyOptions, TinyTrainer
 
 TINY = ["tiny", "--epochs", "3", "--batch-size", "8", "--save-weights", "--progress", "off"]
@@ -24,22 +23,6 @@ def fit(run, **config):
     config = {"epochs": 2, "batch_size": 16, "progress": "off", **config}
     trainer = TinyTrainer(TrainConfig(run_dir=str(run), **config), TinyOptions(save_weights=True))
     return trainer, trainer.fit()
-
-
-def assert_same_run(a, b):
-    """Final weights torch.equal and identical training-log numbers."""
-    wa = torch.load(a / "final_weights.pt", weights_only=True)
-    wb = torch.load(b / "final_weights.pt", weights_only=True)
-    assert all(torch.equal(wa[k], wb[k]) for k in wa)
-    strip = [
-        {k: v for k, v in r.items() if k != "epoch_time_s"}
-        for r in read_training_log(a / "training_log.csv")
-    ]
-    other = [
-        {k: v for k, v in r.items() if k != "epoch_time_s"}
-        for r in read_training_log(b / "training_log.csv")
-    ]
-    assert strip == other
 
 
 def test_contents_load_with_plain_torch_and_no_prefixes(tmp_path):

@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from conftest import cli_env, require, run_cli
+from conftest import assert_same_run, cli_env, require, run_cli
 from dmltrain.launch import free_port
 from dmltrain.training_log import read_training_log
 
@@ -47,31 +47,6 @@ def launch(command, run, timeout=300, gpus=False):
     return done
 
 
-def numbers(run):
-    rows = read_training_log(run / "training_log.csv")
-    return [{k: v for k, v in row.items() if k != "epoch_time_s"} for row in rows]
-
-
-def weights(run):
-    return torch.load(run / "final_weights.pt", weights_only=True)
-
-
-def assert_same(run_a, run_b, rel=0.0):
-    a, b = numbers(run_a), numbers(run_b)
-    assert len(a) == len(b) == 3
-    wa, wb = weights(run_a), weights(run_b)
-    assert list(wa) == list(wb)
-    if rel == 0.0:
-        assert a == b
-        for key in wa:
-            assert torch.equal(wa[key], wb[key]), key
-    else:
-        for ra, rb in zip(a, b, strict=True):
-            assert ra == pytest.approx(rb, rel=rel)
-        for key in wa:
-            torch.testing.assert_close(wa[key], wb[key], rtol=rel, atol=rel)
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """The 2-process self-spawn run every other launcher is compared with."""
@@ -97,7 +72,7 @@ def test_one_process_with_the_same_global_batch_matches(reference, tmp_path):
     run = tmp_path / "run"
     args = [a if a != "8" else "16" for a in ARGS]
     launch(DMLTRAIN + args, run)
-    assert_same(reference[0], run, rel=1e-5)
+    assert_same_run(reference[0], run, rel=1e-5)
 
 
 def test_torchrun(reference, tmp_path):
@@ -115,20 +90,20 @@ def test_torchrun(reference, tmp_path):
         *ARGS,
     ]
     launch(command, run)
-    assert_same(reference[0], run)
+    assert_same_run(reference[0], run)
 
 
 def test_mpirun(reference, tmp_path):
     require("mpirun")
     run = tmp_path / "run"
     launch(MPIRUN + DMLTRAIN + ARGS, run)
-    assert_same(reference[0], run)
+    assert_same_run(reference[0], run)
 
 
 def test_fsdp(reference, tmp_path):
     run = tmp_path / "run"
     launch(DMLTRAIN + ARGS + ["--nprocs", "2", "--strategy", "fsdp"], run)
-    assert_same(reference[0], run, rel=1e-6)
+    assert_same_run(reference[0], run, rel=1e-6)
 
 
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])
@@ -139,7 +114,7 @@ def test_horovodrun(reference, tmp_path, controller):
     if controller == "mpi":
         command += ["--mpi-args=--allow-run-as-root --oversubscribe"]
     launch(command + DMLTRAIN + ARGS + ["--strategy", "horovod"], run)
-    assert_same(reference[0], run, rel=1e-6)
+    assert_same_run(reference[0], run, rel=1e-6)
 
 
 def test_srun_inside_sbatch(reference, tmp_path, slurm):
@@ -158,7 +133,7 @@ def test_srun_inside_sbatch(reference, tmp_path, slurm):
     log = (tmp_path / "slurm.out").read_text() if (tmp_path / "slurm.out").exists() else ""
     assert done.returncode == 0, done.stderr + log
     assert "launcher: auto" in (run / "config.yaml").read_text()
-    assert_same(reference[0], run)
+    assert_same_run(reference[0], run)
 
 
 def test_killed_rank_under_spawn_is_named_and_the_others_stop(tmp_path):
@@ -262,7 +237,7 @@ def test_nccl_on_gpus_matches_one_process(tmp_path, strategy):
     launch(DMLTRAIN + args, single, gpus=True)
     run = tmp_path / "run"
     launch(DMLTRAIN + ARGS + ["--nprocs", str(n), "--strategy", strategy], run, gpus=True)
-    assert_same(single, run, rel=1e-5)
+    assert_same_run(single, run, rel=1e-5)
 
 
 @pytest.mark.gpu

@@ -7,9 +7,8 @@ import time
 from pathlib import Path
 
 import pytest
-from test_checkpoint import assert_same_run
 
-from conftest import run_cli
+from conftest import assert_same_run, run_cli
 from dmltrain.checkpoint import list_checkpoints, load_file
 from dmltrain.preemption import PreemptionWatcher
 

@@ -7,9 +7,8 @@ import time
 from pathlib import Path
 
 import pytest
-from test_checkpoint import assert_same_run
 
-from conftest import ROOT, cli_env, run_cli
+from conftest import ROOT, assert_same_run, cli_env, run_cli
 
 RUN_SH = str(ROOT / "slurm" / "run.sh")
 TINY = [
