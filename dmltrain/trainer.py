@@ -445,14 +445,16 @@ class BaseTrainer(abc.ABC):
         if choice is not None:
             state = load_file(Path(choice))
             self._check_resumable(state, Path(choice))
-            self._load_state(state, optimizer=True, scheduler=True, counters=True)
+            self._load_state(state, Path(choice), optimizer=True, scheduler=True, counters=True)
             self.progress.info(
                 f"dmltrain: resuming from {choice} (epoch {self.epoch + 1}, "
                 f"{self.step_in_epoch} steps into it, global step {self.global_step})"
             )
         elif cfg.load_weights:
-            state = load_file(Path(cfg.load_weights))
-            self._load_state(state, cfg.load_optimizer, cfg.load_scheduler, cfg.load_epoch)
+            path = Path(cfg.load_weights)
+            self._load_state(
+                load_file(path), path, cfg.load_optimizer, cfg.load_scheduler, cfg.load_epoch
+            )
             self.progress.info(f"dmltrain: weights loaded from {cfg.load_weights}")
 
     def _check_resumable(self, state: dict[str, Any], path: Path) -> None:
@@ -477,9 +479,8 @@ class BaseTrainer(abc.ABC):
             self.warn(f"resuming {path} with changed options: {', '.join(changed)}")
 
     def _load_state(
-        self, state: dict[str, Any], optimizer: bool, scheduler: bool, counters: bool
+        self, state: dict[str, Any], path: Path, optimizer: bool, scheduler: bool, counters: bool
     ) -> None:
-        path = Path(self.config.resume if counters else str(self.config.load_weights))
         check_model_fits(self.strategy.eval_model(self.model), state["model"], path)
         options = StateDictOptions(full_state_dict=True, strict=True)
         set_model_state_dict(self.model, state["model"], options=options)

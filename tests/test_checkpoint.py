@@ -124,6 +124,16 @@ def test_wrong_model_names_keys_and_shapes(tmp_path):
         other.fit()
 
 
+def test_auto_resume_of_a_different_model_names_the_checkpoint_file(tmp_path):
+    run = tmp_path / "run"
+    fit(run, epochs=1)
+    latest = list_checkpoints(run / "checkpoints")[0]
+    config = TrainConfig(run_dir=str(run), epochs=2, batch_size=16, progress="off")
+    other = TinyTrainer(config, TinyOptions(features=5))
+    with pytest.raises(UserError, match=f"checkpoint {latest} does not fit this model"):
+        other.fit()
+
+
 def test_config_mismatch_on_resume_is_refused_and_nothing_overwritten(tmp_path):
     run = tmp_path / "run"
     done = run_cli(*TINY, "--epochs", "1", "--run-dir", str(run), cwd=tmp_path)
