@@ -10,22 +10,31 @@ A file is written to a temporary name in the same directory, flushed and fsynced
 and the directory fsynced; only then do the links move and old files go. Files hold only
 tensors and plain Python values, so ``torch.load(path, weights_only=True)`` reads them on
 any machine, without dmltrain.
+
+Sharded checkpoints (FSDP) are directories, ``ckpt-000003-00000189.dcp/`` with links
+``latest.dcp``/``best.dcp``: every rank writes its shards with
+``torch.distributed.checkpoint`` into a temporary directory, rank 0 adds ``trainer.pt``
+(everything but model and optimizer) and renames the directory into place. ``consolidate``
+turns one into a single ``.pt`` file of the same format as above.
 """
 
 import os
 import random
+import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
 from dmltrain.errors import UserError
 
 FORMAT_VERSION = 1
 PREFIX = "ckpt-"
+FULL, SHARDED = ".pt", ".dcp"  # a file; a directory written by torch.distributed.checkpoint
+SHARDED_META = "trainer.pt"  # in a sharded checkpoint: everything but model and optimizer
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -59,27 +68,42 @@ def _point(link: Path, target: Path) -> None:
     _fsync_dir(link.parent)
 
 
-def checkpoint_name(epoch: int, global_step: int) -> str:
-    return f"{PREFIX}{epoch:06d}-{global_step:08d}.pt"
+def checkpoint_name(epoch: int, global_step: int, kind: str = FULL) -> str:
+    return f"{PREFIX}{epoch:06d}-{global_step:08d}{kind}"
 
 
 def list_checkpoints(directory: Path) -> list[Path]:
-    """Complete checkpoint files, newest first."""
+    """Complete checkpoints (files and sharded directories), newest first."""
     if not directory.is_dir():
         return []
-    return sorted(directory.glob(f"{PREFIX}*.pt"), reverse=True)
+    found = [*directory.glob(f"{PREFIX}*{FULL}"), *directory.glob(f"{PREFIX}*{SHARDED}")]
+    return sorted(found, key=lambda p: p.name.rsplit(".", 1)[0], reverse=True)
+
+
+def is_sharded(path: Path) -> bool:
+    return path.is_dir()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:200]
 
 
 def load_file(path: Path) -> dict[str, Any]:
-    """Load a checkpoint (weights only); a clear UserError if it is unreadable."""
+    """Load a checkpoint (weights only); a clear UserError if it is unreadable.
+
+    For a sharded checkpoint this is ``trainer.pt`` with ``model`` and ``optimizer`` set
+    to None (``load_sharded`` reads them), once the shards are checked to be complete.
+    """
     if not path.exists():
         raise UserError(f"checkpoint {path} does not exist")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise UserError(f"checkpoint {path} is truncated or corrupt ({first[:200]})") from None
-    if not isinstance(state, dict) or "model" not in state:
+    if is_sharded(path):
+        sharded_shapes(path)  # raises if shards are missing or truncated
+        state = _load(path / SHARDED_META, path)
+        state.update(model=None, optimizer=None, sharded=True)
+    else:
+        state = _load(path, path)
+    if "model" not in state:
         raise UserError(f"{path} is not a dmltrain checkpoint (no 'model' entry)")
     if state.get("format_version", 0) > FORMAT_VERSION:
         raise UserError(
@@ -87,6 +111,44 @@ def load_file(path: Path) -> dict[str, Any]:
             f"up to {FORMAT_VERSION}: upgrade dmltrain"
         )
     return state
+
+
+def _load(file: Path, checkpoint: Path) -> dict[str, Any]:
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise UserError(
+            f"checkpoint {checkpoint} is truncated or corrupt ({_first_line(exc)})"
+        ) from None
+    if not isinstance(state, dict):
+        raise UserError(f"{checkpoint} is not a dmltrain checkpoint")
+    return state
+
+
+def sharded_shapes(path: Path, prefix: str = "model.") -> dict[str, tuple[int, ...]]:
+    """Model parameter shapes of a sharded checkpoint, after checking all its shards exist
+    and are long enough (a cheap test for a torn or truncated save)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as exc:
+        why = _first_line(exc)
+        raise UserError(f"checkpoint {path} is incomplete or corrupt ({why})") from None
+    needed: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        end = info.offset + info.length
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
+    for name, size in needed.items():
+        shard = path / name
+        if not shard.is_file() or shard.stat().st_size < size:
+            raise UserError(f"checkpoint {path} is incomplete or corrupt (shard {name})")
+    return {
+        key[len(prefix) :]: tuple(item.size)
+        for key, item in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and isinstance(item, TensorStorageMetadata)
+    }
 
 
 def load_latest_valid(directory: Path, warn: Any) -> tuple[Path, dict[str, Any]] | None:
@@ -158,38 +220,131 @@ class CheckpointDir:
             self._failure = exc
 
     def _write(self, state: dict[str, Any], epoch: int, global_step: int, best: bool) -> Path:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        for stale in self.directory.glob(".*.tmp-*"):  # left by a writer killed mid-save
-            if not stale.name.endswith(f".tmp-{os.getpid()}"):
-                stale.unlink(missing_ok=True)
+        self._clean_stale()
         path = self.directory / checkpoint_name(epoch, global_step)
         atomic_save({"format_version": FORMAT_VERSION, **state}, path)
-        _point(self.directory / "latest.pt", path)
-        if best:
-            _point(self.directory / "best.pt", path)
-        self._prune()
+        self._publish(path, best)
         return path
+
+    def save_sharded(
+        self,
+        shards: dict[str, Any],
+        meta: dict[str, Any] | None,
+        epoch: int,
+        global_step: int,
+        best: bool,
+        barrier: Callable[[], None],
+    ) -> Path:
+        """Collective: every rank writes its ``shards`` (model and optimizer state dicts
+        from ``get_state_dict``); rank 0, the one passing ``meta``, publishes the result."""
+        import torch.distributed.checkpoint as dcp
+
+        path = self.directory / checkpoint_name(epoch, global_step, SHARDED)
+        tmp = path.with_name(f".{path.name}.tmp-sharded")
+        if meta is not None:
+            self.wait()
+            self._clean_stale(keep=tmp.name)
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir()
+        barrier()  # the directory exists before any rank writes
+        dcp.save(shards, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
+        if meta is not None:  # dcp.save returns on rank 0 after every rank's shards are written
+            atomic_save({"format_version": FORMAT_VERSION, **meta}, tmp / SHARDED_META)
+            _fsync_dir(tmp)
+            if path.exists():  # the same step saved again (step and epoch checkpoints met)
+                old = path.with_name(f".{path.name}.tmp-old")
+                os.replace(path, old)
+                shutil.rmtree(old)
+            os.replace(tmp, path)
+            _fsync_dir(self.directory)
+            self._publish(path, best)
+        barrier()
+        return path
+
+    def _clean_stale(self, keep: str = "") -> None:
+        """Temporary files and directories left by a writer killed mid-save."""
+        self.directory.mkdir(parents=True, exist_ok=True)
+        for stale in self.directory.glob(".*.tmp-*"):
+            if stale.name == keep or stale.name.endswith(f".tmp-{os.getpid()}"):
+                continue
+            _remove(stale)
+
+    def _publish(self, path: Path, best: bool) -> None:
+        """Move the links to a complete checkpoint, then prune."""
+        kind = SHARDED if is_sharded(path) else FULL
+        _point(self.directory / f"latest{kind}", path)
+        if best:
+            _point(self.directory / f"best{kind}", path)
+        self._prune()
 
     def _prune(self) -> None:
         """Delete all but the newest ``keep_last`` (never the best) after a safe save."""
         if self.keep_last <= 0:
             return
-        best = self.directory / "best.pt"
-        keep = {best.resolve()} if best.exists() else set()
+        keep = {
+            link.resolve()
+            for link in (self.directory / f"best{FULL}", self.directory / f"best{SHARDED}")
+            if link.exists()
+        }
         for path in list_checkpoints(self.directory)[self.keep_last :]:
             if path.resolve() not in keep:
-                path.unlink(missing_ok=True)
+                _remove(path)
 
 
-def check_model_fits(model: nn.Module, weights: dict[str, torch.Tensor], source: Path) -> None:
-    """A UserError naming missing/unexpected keys and shape mismatches, if any."""
-    own = model.state_dict()
-    missing = sorted(set(own) - set(weights))
-    unexpected = sorted(set(weights) - set(own))
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def load_sharded(path: Path, shards: dict[str, Any]) -> None:
+    """Fill ``shards`` (state dicts from ``get_state_dict``, keys ``model``/``optimizer``)
+    in place from a sharded checkpoint; collective when a process group is up."""
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        dcp.load(shards, storage_reader=dcp.FileSystemReader(str(path)))
+    except Exception as exc:
+        raise UserError(f"cannot load {path}: {_first_line(exc)}") from None
+
+
+def consolidate(source: Path, target: Path) -> Path:
+    """One ``.pt`` file (this module's format) from a sharded checkpoint directory."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    if not is_sharded(source):
+        raise UserError(f"{source} is not a sharded checkpoint directory (ckpt-*.dcp)")
+    state = load_file(source)
+    if target.exists() and target.is_dir():
+        target = target / source.with_suffix(FULL).name
+    tmp = target.with_name(f".{target.name}.tmp-consolidate-{os.getpid()}")
+    try:
+        dcp_to_torch_save(str(source), str(tmp))
+        shards = torch.load(tmp, map_location="cpu", weights_only=True)
+    finally:
+        tmp.unlink(missing_ok=True)
+    state.pop("sharded")
+    state.update(model=shards["model"], optimizer=shards.get("optimizer"))
+    atomic_save(state, target)
+    return target
+
+
+def shapes_of(weights: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    return {key: tuple(value.shape) for key, value in weights.items()}
+
+
+def check_model_fits(
+    own: dict[str, tuple[int, ...]], saved: dict[str, tuple[int, ...]], source: Path
+) -> None:
+    """A UserError naming missing/unexpected keys and shape mismatches, if any (both
+    arguments map parameter names to shapes: the model's and the checkpoint's)."""
+    missing = sorted(set(own) - set(saved))
+    unexpected = sorted(set(saved) - set(own))
     shapes = [
-        f"{k} {tuple(weights[k].shape)} in checkpoint vs {tuple(own[k].shape)} in model"
-        for k in sorted(set(own) & set(weights))
-        if tuple(own[k].shape) != tuple(weights[k].shape)
+        f"{k} {saved[k]} in checkpoint vs {own[k]} in model"
+        for k in sorted(set(own) & set(saved))
+        if own[k] != saved[k]
     ]
     problems = []
     if missing:

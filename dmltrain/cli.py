@@ -1,4 +1,4 @@
-"""The ``dmltrain`` command: one subcommand per experiment.
+"""The ``dmltrain`` command: one subcommand per experiment, plus tools (``consolidate``).
 
 Experiments come from the ``dmltrain.experiments`` entry-point group (how the bundled
 ``experiments`` package and outside packages add theirs) and from the ``experiments``
@@ -16,8 +16,9 @@ import importlib.metadata
 import sys
 import types
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, NoReturn
 
 import argparse_dataclass
@@ -27,6 +28,36 @@ from dmltrain.errors import UserError, run_reporting_errors
 from dmltrain.trainer import BaseTrainer
 
 ENTRY_POINT_GROUP = "dmltrain.experiments"
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    from dmltrain.checkpoint import consolidate
+
+    source = Path(args.checkpoint)
+    target = Path(args.output) if args.output else source.with_suffix(".pt")
+    written = consolidate(source, target)
+    print(f"dmltrain: wrote {written} (load with torch.load(..., weights_only=True))")
+    return 0
+
+
+def _add_consolidate(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("checkpoint", help="a sharded checkpoint directory (ckpt-*.dcp)")
+    parser.add_argument(
+        "-o", "--output", help="file to write (default: the directory's name with .pt)"
+    )
+
+
+# Subcommands that are not experiments: name -> (help, add arguments, run).
+TOOLS: dict[
+    str,
+    tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]],
+] = {
+    "consolidate": (
+        "turn a sharded (FSDP) checkpoint into one .pt file",
+        _add_consolidate,
+        _consolidate,
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -49,6 +80,8 @@ def register_experiment(
     """
     if not name.replace("-", "").replace("_", "").isalnum():
         raise ValueError(f"experiment name {name!r} must be letters, digits, '-' or '_'")
+    if name in TOOLS:
+        raise ValueError(f"experiment name {name!r} is a dmltrain command; choose another")
     if not (isinstance(trainer_cls, type) and issubclass(trainer_cls, BaseTrainer)):
         raise TypeError(f"{trainer_cls!r} is not a BaseTrainer subclass")
     if config_cls is not None:
@@ -141,6 +174,8 @@ def build_parser(experiments: dict[str, Experiment]) -> argparse.ArgumentParser:
             _add_flags(sub, title, cls)
         if experiment.config_cls is not None:
             _add_flags(sub, f"{experiment.name} options", experiment.config_cls)
+    for name, (text, add_arguments, _) in TOOLS.items():
+        add_arguments(commands.add_parser(name, help=text, description=text))
     return parser
 
 
@@ -177,6 +212,9 @@ def main(argv: Sequence[str] | None = None, experiments: Sequence[Experiment] = 
     argv = sys.argv[1:] if argv is None else list(argv)
     known = discover_experiments()
     known.update({experiment.name: experiment for experiment in experiments})
+    if argv and argv[0] in TOOLS:
+        namespace = build_parser(known).parse_args(argv)
+        return run_reporting_errors(lambda: TOOLS[argv[0]][2](namespace), 0, 1)
     try:
         experiment, config, options = parse(argv, known)
         trainer = experiment.trainer_cls(config, options)

@@ -135,6 +135,14 @@ class CheckpointConfig:
             "for a copy of the state)"
         },
     )
+    checkpoint_format: Literal["auto", "full", "sharded"] = field(
+        default="auto",
+        metadata={
+            "help": "full: one file written by rank 0; sharded: every rank writes its shards "
+            "(torch.distributed.checkpoint; 'dmltrain consolidate' makes one file); "
+            "auto: sharded with --strategy fsdp, else full"
+        },
+    )
     best_metric: str = field(
         default="val_loss", metadata={"help": "metric of the training log that picks best.pt"}
     )
@@ -150,6 +158,9 @@ class CheckpointConfig:
     )
     load_scheduler: bool = field(
         default=False, metadata={"help": "with --load-weights: also load the LR scheduler state"}
+    )
+    load_scaler: bool = field(
+        default=False, metadata={"help": "with --load-weights: also load the grad scaler state"}
     )
     load_epoch: bool = field(
         default=False,
@@ -189,17 +200,53 @@ class CheckpointConfig:
             )
 
 
+@dataclass(frozen=True)
+class PrecisionConfig:
+    """Numeric precision, gradient handling and NaN checks."""
+
+    precision: Literal["fp32", "fp16", "bf16"] = field(
+        default="fp32",
+        metadata={"help": "fp16 (autocast with a grad scaler), bf16 (autocast) or fp32"},
+    )
+    grad_clip: float = field(
+        default=0.0, metadata={"help": "clip the gradient norm to this value (0: off)"}
+    )
+    grad_accum: int = field(
+        default=1, metadata={"help": "accumulate gradients of N batches per optimizer step"}
+    )
+    compile: bool = field(default=False, metadata={"help": "compile the model (torch.compile)"})
+    check_nans: bool = field(
+        default=False,
+        metadata={"help": "check loss, gradients and parameters for NaN/Inf every step"},
+    )
+    on_nan: Literal["raise", "skip", "rollback"] = field(
+        default="raise",
+        metadata={
+            "help": "with --check-nans: stop (raise), drop the step on every rank (skip), or "
+            "reload the last good checkpoint and go on past the bad batch (rollback)"
+        },
+    )
+    detect_anomaly: bool = field(
+        default=False, metadata={"help": "autograd anomaly mode (slow; for debugging)"}
+    )
+
+    def __post_init__(self) -> None:
+        check(self.grad_clip >= 0, f"--grad-clip must be >= 0 (got {self.grad_clip})")
+        check(self.grad_accum >= 1, f"--grad-accum must be at least 1 (got {self.grad_accum})")
+
+
 # The concern dataclasses, in the order their flag groups appear in --help.
 CONCERNS: tuple[tuple[str, type], ...] = (
     ("training", LoopConfig),
     ("data", DataConfig),
+    ("precision", PrecisionConfig),
     ("distributed", DistConfig),
     ("checkpointing", CheckpointConfig),
 )
 
 
 @dataclass(frozen=True)
-class TrainConfig(LoopConfig, DataConfig, DistConfig, CheckpointConfig):
+class TrainConfig(LoopConfig, DataConfig, PrecisionConfig, DistConfig, CheckpointConfig):
     """Everything ``BaseTrainer`` needs: the union of the concern dataclasses."""
 
     def __post_init__(self) -> None:

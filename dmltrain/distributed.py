@@ -10,6 +10,7 @@ unit, then the root; an experiment can name other units by overriding
 ``BaseTrainer.fsdp_units``.
 """
 
+import contextlib
 import datetime
 import os
 from collections.abc import Callable, Iterator
@@ -68,11 +69,27 @@ class Strategy:
     def setup(self) -> DistInfo:
         return self.info
 
-    def wrap_model(self, model: nn.Module, units: list[nn.Module]) -> nn.Module:
+    def wrap_model(
+        self, model: nn.Module, units: list[nn.Module], param_dtype: torch.dtype | None = None
+    ) -> nn.Module:
+        """The model to train; ``param_dtype`` is the compute dtype of mixed precision."""
         return model
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> Any:
+    def wrap_optimizer(
+        self, optimizer: torch.optim.Optimizer, model: nn.Module, grad_accum: int = 1
+    ) -> Any:
         return optimizer
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        """Around the backward of a micro-batch that is not the last of an accumulation."""
+        return contextlib.nullcontext()
+
+    def sync_gradients(self, optimizer: Any) -> None:
+        """Make gradients final (reduced) before they are unscaled, checked or clipped."""
+
+    def step_context(self, optimizer: Any) -> contextlib.AbstractContextManager[Any]:
+        """Around the optimizer step, after ``sync_gradients``."""
+        return contextlib.nullcontext()
 
     def train_sampler(self, dataset: Dataset, seed: int) -> ResumableSampler:
         """The same global permutation for any world size; rank r takes every w-th sample."""
@@ -148,14 +165,23 @@ class DDPStrategy(Strategy):
         self.control = dist.new_group(backend="gloo") if backend == "nccl" else None
         return self.info
 
-    def wrap_model(self, model: nn.Module, units: list[nn.Module]) -> nn.Module:
+    def wrap_model(
+        self, model: nn.Module, units: list[nn.Module], param_dtype: torch.dtype | None = None
+    ) -> nn.Module:
         device_ids = (
             [torch.device(self.info.device)] if self.info.device.startswith("cuda") else None
         )
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
 
     def eval_model(self, model: nn.Module) -> nn.Module:
+        model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
         return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+    def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
+        inner = getattr(model, "_orig_mod", model)
+        if isinstance(inner, nn.parallel.DistributedDataParallel):
+            return inner.no_sync()
+        return contextlib.nullcontext()
 
     def all_reduce_sum(self, tensor: Tensor) -> Tensor:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
@@ -187,16 +213,31 @@ class DDPStrategy(Strategy):
 class FSDPStrategy(DDPStrategy):
     name = "fsdp"
 
-    def wrap_model(self, model: nn.Module, units: list[nn.Module]) -> nn.Module:
-        from torch.distributed.fsdp import fully_shard
+    def wrap_model(
+        self, model: nn.Module, units: list[nn.Module], param_dtype: torch.dtype | None = None
+    ) -> nn.Module:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        # Mixed precision the FSDP way: parameters gathered in the compute dtype,
+        # gradients reduced in fp32.
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         for unit in units:
-            fully_shard(unit)
-        fully_shard(model)
+            fully_shard(unit, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
         return model
 
     def eval_model(self, model: nn.Module) -> nn.Module:
-        return model  # FSDP's forward gathers parameters: every rank must run it
+        # FSDP's forward gathers parameters: every rank must run it
+        return getattr(model, "_orig_mod", model)
+
+    @contextlib.contextmanager
+    def no_sync(self, model: nn.Module) -> Iterator[None]:
+        inner: Any = getattr(model, "_orig_mod", model)
+        inner.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            inner.set_requires_gradient_sync(True)
 
     def val_sampler(self, dataset: Dataset) -> Sampler[int]:
         """Equal shard sizes (FSDP's forward is collective): pads with up to w-1 repeats."""
@@ -234,13 +275,21 @@ class HorovodStrategy(Strategy):
             torch.cuda.set_device(torch.device(self.info.device))
         return self.info
 
-    def wrap_model(self, model: nn.Module, units: list[nn.Module]) -> nn.Module:
+    def wrap_model(
+        self, model: nn.Module, units: list[nn.Module], param_dtype: torch.dtype | None = None
+    ) -> nn.Module:
         self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         return model
 
-    def wrap_optimizer(self, optimizer: torch.optim.Optimizer, model: nn.Module) -> Any:
+    def wrap_optimizer(
+        self, optimizer: torch.optim.Optimizer, model: nn.Module, grad_accum: int = 1
+    ) -> Any:
+        # Horovod reduces in the backward hooks once every ``grad_accum`` backward passes;
+        # ``synchronize`` also finishes a shorter last accumulation of an epoch.
         wrapped = self.hvd.DistributedOptimizer(
-            optimizer, named_parameters=model.named_parameters()
+            optimizer,
+            named_parameters=model.named_parameters(),
+            backward_passes_per_step=grad_accum,
         )
         # Horovod fills empty optimizer state by taking a zero-gradient step, which moves
         # Adam's step count; fresh optimizers are identical on all ranks, so only
@@ -248,6 +297,12 @@ class HorovodStrategy(Strategy):
         if optimizer.state_dict()["state"]:
             self.hvd.broadcast_optimizer_state(wrapped, root_rank=0)
         return wrapped
+
+    def sync_gradients(self, optimizer: Any) -> None:
+        optimizer.synchronize()
+
+    def step_context(self, optimizer: Any) -> contextlib.AbstractContextManager[Any]:
+        return optimizer.skip_synchronize()
 
     def all_reduce_sum(self, tensor: Tensor) -> Tensor:
         return self.hvd.allreduce(tensor, op=self.hvd.Sum)

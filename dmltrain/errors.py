@@ -18,10 +18,15 @@ class ConfigError(UserError, ValueError):
 
 
 EXIT_REQUEUE = 3  # "checkpoint saved, more to do": slurm/run.sh requeues the job
+EXIT_NONFINITE = 4  # stopped on a NaN/Inf (--check-nans --on-nan raise); checkpoints kept
 
 
 class StopForRequeue(Exception):
     """A checkpoint was saved and the run must continue in a later job (exit status 3)."""
+
+
+class NonFiniteError(Exception):
+    """A NaN/Inf was found and ``--on-nan raise`` stops every rank (exit status 4)."""
 
 
 class PeerLost(Exception):
@@ -39,7 +44,8 @@ class RankFailed(Exception):
 def run_reporting_errors(fn: Callable[[], object], rank: int, world_size: int) -> int:
     """Run ``fn``; turn failures into one clear message on stderr and an exit code.
 
-    Bad input: exit 2. A lost peer (another rank died): exit 1 with a line saying so.
+    Bad input: exit 2. Requeue wanted: 3. A NaN/Inf with ``--on-nan raise``: 4. A lost
+    peer (another rank died): exit 1 with a line saying so.
     Anything else is a bug: the traceback, then a line naming this rank, exit 1.
     """
     who = f"[rank {rank}] " if world_size > 1 else ""
@@ -58,6 +64,10 @@ def run_reporting_errors(fn: Callable[[], object], rank: int, world_size: int) -
         if rank == 0:
             print(f"dmltrain: {exc}", file=sys.stderr, flush=True)
         return EXIT_REQUEUE
+    except NonFiniteError as exc:
+        if rank == 0:  # every rank stops in the same step with the same message
+            print(f"dmltrain: stopped: {exc}", file=sys.stderr, flush=True)
+        return EXIT_NONFINITE
     except PeerLost as exc:
         print(f"dmltrain: {who}stopping: {exc}", file=sys.stderr, flush=True)
         return 1

@@ -12,42 +12,32 @@ Data loading policy (documented in the README):
 """
 
 import abc
+import contextlib
 import dataclasses
+import math
 import random
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch import Tensor, nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from dmltrain import launch, preemption
-from dmltrain.checkpoint import (
-    CheckpointDir,
-    check_model_fits,
-    list_checkpoints,
-    load_file,
-    load_latest_valid,
-    rng_state,
-    set_rng_state,
-    strip_prefixes,
-)
+from dmltrain.checkpoint import list_checkpoints
 from dmltrain.config import CONCERNS, DistConfig, TrainConfig, section, to_yaml
 from dmltrain.distributed import ResumableSampler, Strategy, create_strategy
-from dmltrain.errors import StopForRequeue, UserError
+from dmltrain.errors import NonFiniteError, StopForRequeue, UserError
 from dmltrain.launch import DistInfo
 from dmltrain.metrics import MetricAccumulator
+from dmltrain.nan import NanChecker, NanEvent
+from dmltrain.precision import Precision, check_available
 from dmltrain.progress import Progress
+from dmltrain.resume import Checkpointer
 from dmltrain.training_log import TrainingLog, read_training_log
 
 StepOutput = Tensor | tuple[Tensor, Mapping[str, Tensor | float]]
@@ -87,6 +77,26 @@ def split_step_output(output: StepOutput) -> tuple[Tensor, Mapping[str, Tensor |
     return output, {}
 
 
+def chunks(batches: Iterable[Any], size: int) -> Iterator[list[Any]]:
+    """Consecutive groups of ``size`` batches (the last may be shorter): one optimizer step."""
+    group: list[Any] = []
+    for batch in batches:
+        group.append(batch)
+        if len(group) == size:
+            yield group
+            group = []
+    if group:
+        yield group
+
+
+class _RollBack(Exception):
+    """Raised in the loop after a non-finite step under ``--on-nan rollback``."""
+
+    def __init__(self, event: NanEvent) -> None:
+        super().__init__(event.describe())
+        self.event = event
+
+
 class BaseTrainer(abc.ABC):
     """Subclass, implement the three abstract methods, then ``MyTrainer(config).fit()``.
 
@@ -106,8 +116,10 @@ class BaseTrainer(abc.ABC):
     progress: Progress
     training_log: TrainingLog
     run_dir: Path
-    checkpoints: CheckpointDir
+    checkpointer: Checkpointer
     watcher: preemption.PreemptionWatcher
+    precision: Precision
+    nan_checker: NanChecker | None
 
     def __init__(
         self,
@@ -124,11 +136,14 @@ class BaseTrainer(abc.ABC):
         self.device = torch.device(self.dist.device)
         # Chosen (and checked) now, so bad settings fail before any process starts.
         self.strategy = create_strategy(self.dist, section(self.config, DistConfig))
+        check_available(self.config.precision, self.device)
         self.epoch = 0  # epochs completed (the one in progress, 0-based)
         self.step_in_epoch = 0  # optimizer steps done in the epoch in progress
         self.global_step = 0
         self.epoch_metrics: dict[str, Any] | None = None  # partial epoch (mid-epoch resume)
         self.best_value: float | None = None
+        self.tracking_run_id: str | None = None
+        self.skip_steps: set[tuple[int, int]] = set()  # (epoch, step) dropped by a rollback
         self._spawned_worker = False
 
     # ----- what an experiment provides -------------------------------------------------
@@ -198,6 +213,10 @@ class BaseTrainer(abc.ABC):
     def on_train_end(self) -> None:
         """Called once after the last epoch."""
 
+    def on_after_backward(self) -> None:
+        """Called after the backward pass(es) of a step, before gradients are checked,
+        clipped and applied."""
+
     # ----- the loop ------------------------------------------------------------------------
     def warn(self, message: str) -> None:
         """A warning on stderr; ranks other than 0 prefix theirs with their rank."""
@@ -223,9 +242,9 @@ class BaseTrainer(abc.ABC):
         finally:
             if hasattr(self, "watcher"):
                 self.watcher.restore()
-            if hasattr(self, "checkpoints") and self.dist.is_main:
+            if hasattr(self, "checkpointer") and self.dist.is_main:
                 try:
-                    self.checkpoints.wait()  # never exit with a write half done
+                    self.checkpointer.wait()  # never exit with a write half done
                 except UserError as exc:
                     self.warn(str(exc))
             self.strategy.teardown()
@@ -237,7 +256,11 @@ class BaseTrainer(abc.ABC):
             epoch = self.epoch
             self.on_epoch_start(epoch)
             started = time.perf_counter()
-            train_metrics = self.train_epoch(epoch)
+            try:
+                train_metrics = self.train_epoch(epoch)
+            except _RollBack as rollback:
+                self._roll_back(rollback.event)
+                continue
             val_metrics = self.validate() if self.val_loader is not None else {}
             lr = self.optimizer.param_groups[0]["lr"]
             if self.scheduler is not None and self.scheduler_interval == "epoch":
@@ -246,13 +269,15 @@ class BaseTrainer(abc.ABC):
             row.update({f"train_{k}": v for k, v in train_metrics.items()})
             row.update({f"val_{k}": v for k, v in val_metrics.items()})
             row.update(lr=lr, epoch_time_s=round(time.perf_counter() - started, 3))
+            if self.precision.scaler is not None:  # fp16 steps dropped on overflow, in all
+                row["skipped_steps"] = int(self.precision.skipped)
             self.training_log.rows.append(row)
             if self.dist.is_main:
                 self.training_log.write()
             self.progress.epoch_summary(row)
             self.on_epoch_end(epoch, row)
             self.epoch, self.step_in_epoch, self.epoch_metrics = epoch + 1, 0, None
-            self.save_checkpoint(best=self._improves_best(row))
+            self.checkpointer.save(best=self._improves_best(row))
             epochs_this_job += 1
             per_job = self.config.epochs_per_job
             if per_job and epochs_this_job >= per_job and self.epoch < self.config.epochs:
@@ -262,38 +287,105 @@ class BaseTrainer(abc.ABC):
                 )
         self.on_train_end()
         if self.dist.is_main:
-            self.checkpoints.wait()
+            self.checkpointer.wait()
         return self.training_log.rows
 
     def train_epoch(self, epoch: int) -> dict[str, float]:
+        cfg = self.config
         self.model.train()
         sampler = self.train_loader.sampler
         if isinstance(sampler, ResumableSampler):
             sampler.set_epoch(epoch)
-            sampler.start = self.step_in_epoch * self.config.batch_size
+            sampler.start = self.step_in_epoch * cfg.grad_accum * cfg.batch_size
         metrics = MetricAccumulator(self.device)
         if self.epoch_metrics is not None:  # resumed mid-epoch: continue its averages
             metrics.load_state_dict(self.epoch_metrics)
-        batches = self.progress.epoch(
-            self.train_loader,
-            epoch + 1,
-            self.config.epochs,
-            self.step_in_epoch + len(self.train_loader),
+        steps = self.step_in_epoch + math.ceil(len(self.train_loader) / cfg.grad_accum)
+        groups = self.progress.epoch(
+            chunks(self.train_loader, cfg.grad_accum), epoch + 1, cfg.epochs, steps
         )
-        for step, batch in enumerate(batches, start=self.step_in_epoch + 1):
-            batch = to_device(batch, self.device)
-            loss, step_metrics = split_step_output(self.train_step(batch))
-            self.optimizer.zero_grad()  # set_to_none is the default
-            loss.backward()
-            self.optimizer.step()
-            if self.scheduler is not None and self.scheduler_interval == "step":
-                self.scheduler.step()
+        for step, micro_batches in enumerate(groups, start=self.step_in_epoch + 1):
+            if (epoch + 1, step) not in self.skip_steps:  # not dropped by a rollback
+                self._optimizer_step(micro_batches, metrics, epoch + 1, step)
             self.global_step += 1
             self.step_in_epoch = step
-            metrics.update({"loss": loss, **step_metrics}, batch_size_of(batch))
             self.progress.step(step, metrics.count, metrics.compute)  # rank 0's running mean
             self._step_boundary(metrics)
         return metrics.compute(self.strategy.all_reduce_sum)
+
+    def _optimizer_step(
+        self, micro_batches: list[Any], metrics: MetricAccumulator, epoch: int, step: int
+    ) -> None:
+        """Forward and backward of each micro-batch, checks, clipping, the update."""
+        cfg, precision, checker = self.config, self.precision, self.nan_checker
+        self.optimizer.zero_grad()  # set_to_none is the default
+        results = []
+        for i, batch in enumerate(micro_batches):
+            batch = to_device(batch, self.device)
+            last = i == len(micro_batches) - 1
+            with contextlib.ExitStack() as stack:
+                if not last:
+                    stack.enter_context(self.strategy.no_sync(self.model))
+                if cfg.detect_anomaly:
+                    stack.enter_context(torch.autograd.detect_anomaly())
+                with precision.autocast():
+                    loss, step_metrics = split_step_output(self.train_step(batch))
+                precision.backward(loss / len(micro_batches) if len(micro_batches) > 1 else loss)
+            results.append((loss.detach(), step_metrics, batch_size_of(batch)))
+        self.on_after_backward()
+        self.strategy.sync_gradients(self.optimizer)
+        if cfg.grad_clip or checker is not None:
+            precision.unscale(self.optimizer)
+        if checker is not None:
+            losses = torch.stack([loss.float() for loss, _, _ in results])
+            flags = checker.flags(losses, gradients=precision.scaler is None, parameters=False)
+            event = checker.agree(flags, epoch, step, self.global_step + 1)
+            if event is not None:
+                self._on_nan(event)
+                return  # skipped on every rank
+        if cfg.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        with self.strategy.step_context(self.optimizer):
+            precision.step(self.optimizer)
+        if checker is not None:
+            flags = checker.flags(None, gradients=False, parameters=True)
+            event = checker.agree(flags, epoch, step, self.global_step + 1)
+            if event is not None:
+                self._on_nan(event)  # an update cannot be dropped: raise or roll back
+        if self.scheduler is not None and self.scheduler_interval == "step":
+            self.scheduler.step()
+        for loss, step_metrics, n in results:
+            metrics.update({"loss": loss, **step_metrics}, n)
+
+    def _on_nan(self, event: NanEvent) -> None:
+        """Act on a non-finite step, the same way on every rank."""
+        assert self.nan_checker is not None
+        mode = self.config.on_nan
+        if mode == "skip" and event.kind == "parameter":
+            mode = "rollback"  # the update is applied already: only a checkpoint undoes it
+        if mode == "skip":
+            self.nan_checker.record(event, "step skipped on every rank", self.progress.info)
+        elif mode == "rollback":
+            self.nan_checker.record(
+                event, "rolling back to the last checkpoint", self.progress.info
+            )
+            raise _RollBack(event)
+        else:
+            line = self.nan_checker.record(event, "stopping", None)  # the exit line says it
+            latest = list_checkpoints(self.checkpointer.files.directory)
+            kept = f"; last good checkpoint: {latest[0]}" if latest else "; no checkpoint yet"
+            raise NonFiniteError(line + kept + f" (report: {self.nan_checker.report})")
+
+    def _roll_back(self, event: NanEvent) -> None:
+        """Reload the newest checkpoint on every rank and mark the bad step to be skipped."""
+        self.checkpointer.wait()
+        skip = self.skip_steps | {(event.epoch, event.step)}
+        path = self.checkpointer.rollback()
+        self.skip_steps |= skip
+        self.progress.info(
+            f"dmltrain: rolled back to {path}; epoch {event.epoch} step {event.step} "
+            "will be skipped"
+        )
 
     def _step_boundary(self, metrics: MetricAccumulator) -> None:
         """Checkpoint when due; on preemption (agreed by all ranks) save and stop."""
@@ -302,13 +394,13 @@ class BaseTrainer(abc.ABC):
             bool(cfg.checkpoint_every_steps) and self.global_step % cfg.checkpoint_every_steps == 0
         )
         timed = bool(cfg.checkpoint_every_minutes) and (
-            time.monotonic() - self._last_save >= 60 * cfg.checkpoint_every_minutes
+            time.monotonic() - self.checkpointer.last_save >= 60 * cfg.checkpoint_every_minutes
         )
         preempt, timed = self.strategy.any_rank([self.watcher.local_request(), timed])
         if not (preempt or due or timed):
             return
         self.epoch_metrics = metrics.state_dict()
-        self.save_checkpoint(best=False, wait=preempt)  # the process exits right after
+        self.checkpointer.save(best=False, wait=preempt)  # the process exits right after
         self.epoch_metrics = None
         if preempt:
             if self.dist.is_main and cfg.requeue:
@@ -329,7 +421,9 @@ class BaseTrainer(abc.ABC):
             metrics = MetricAccumulator(self.device)
             for batch in self.val_loader:
                 batch = to_device(batch, self.device)
-                metrics.update(self.val_step(batch), batch_size_of(batch))
+                with self.precision.autocast():
+                    step_metrics = self.val_step(batch)
+                metrics.update(step_metrics, batch_size_of(batch))
         finally:
             self.model = wrapped
         return metrics.compute(self.strategy.all_reduce_sum)
@@ -341,10 +435,14 @@ class BaseTrainer(abc.ABC):
         self.device = torch.device(self.dist.device)
         self.progress = Progress(self.config.progress, self.dist.is_main, self.config.log_every)
         self.run_dir = self._prepare_run_dir()
-        torch.manual_seed(self.config.seed)  # the same initial weights on every rank
+        cfg = self.config
+        self.precision = Precision(cfg.precision, self.device)
+        torch.manual_seed(cfg.seed)  # the same initial weights on every rank
         model = self.create_model().to(self.device)
-        seed_everything(self.config.seed + self.dist.rank)  # per-rank dropout, augmentation
-        self.model = self.strategy.wrap_model(model, self.fsdp_units(model))
+        seed_everything(cfg.seed + self.dist.rank)  # per-rank dropout, augmentation
+        self.model = self.strategy.wrap_model(model, self.fsdp_units(model), self.precision.dtype)
+        if cfg.compile:
+            self.model = torch.compile(self.model)  # type: ignore[assignment]
         if self.dist.is_local_main:
             self.prepare_data()
         self.strategy.barrier()
@@ -354,13 +452,24 @@ class BaseTrainer(abc.ABC):
         self.train_loader = self.create_dataloader(train_set, train=True)
         self.val_loader = None if val_set is None else self.create_dataloader(val_set, False)
         optimizer = self.create_optimizer(self.model)
-        self.optimizer = self.strategy.wrap_optimizer(optimizer, self.model)
+        self.optimizer = self.strategy.wrap_optimizer(optimizer, self.model, cfg.grad_accum)
         self.scheduler = self.create_scheduler(self.optimizer)
         self.training_log = TrainingLog(self.run_dir / "training_log.csv")
-        self.checkpoints = CheckpointDir(
-            self.run_dir / "checkpoints", self.config.keep_last, self.config.async_checkpoint
-        )
-        self._restore()
+        self.nan_checker = None
+        if cfg.check_nans:
+            self.nan_checker = NanChecker(
+                self.strategy.eval_model(self.model),
+                self.dist.rank,
+                self.dist.world_size,
+                self.device,
+                self.strategy.all_reduce_sum,
+                self.strategy.all_gather_object,
+                self.run_dir / "nan_report.txt",
+            )
+        self.checkpointer = Checkpointer(self, self.run_dir / "checkpoints")
+        self.checkpointer.restore()
+        if cfg.check_nans and cfg.on_nan == "rollback" and self.global_step == 0:
+            self.checkpointer.save(best=False)  # something to roll back to from step 1
         if self.dist.is_main:
             text = self.resolved_config_yaml()
             (self.run_dir / "config.yaml").write_text(text)
@@ -368,7 +477,6 @@ class BaseTrainer(abc.ABC):
         self.watcher.deadline = self.strategy.broadcast_object(
             self._deadline() if self.dist.is_main else None
         )
-        self._last_save = time.monotonic()
 
     def _deadline(self) -> float | None:
         """When to checkpoint and stop before the Slurm time limit (rank 0 asks Slurm)."""
@@ -385,35 +493,6 @@ class BaseTrainer(abc.ABC):
         return deadline
 
     # ----- checkpoints ----------------------------------------------------------------------
-    def save_checkpoint(self, best: bool, wait: bool = False) -> None:
-        """Every rank contributes (state gathering); rank 0 writes; all wait for the file."""
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_state, optim_state = get_state_dict(self.model, self.optimizer, options=options)
-        # Per rank: RNG streams and the partial epoch's metric sums.
-        rng = self.strategy.all_gather_object(rng_state())
-        epoch_metrics = self.strategy.all_gather_object(self.epoch_metrics)
-        if self.dist.is_main:
-            state = {
-                "model": strip_prefixes(model_state),
-                "optimizer": optim_state,
-                "scheduler": None if self.scheduler is None else self.scheduler.state_dict(),
-                "scaler": None,
-                "epoch": self.epoch,
-                "step_in_epoch": self.step_in_epoch,
-                "global_step": self.global_step,
-                "epoch_metrics": epoch_metrics,
-                "rng": rng,
-                "world_size": self.dist.world_size,
-                "config": self._config_dict(),
-                "training_log": self.training_log.rows,
-                "best_value": self.best_value,
-                "tracking_run_id": None,
-            }
-            epoch = self.epoch + (self.step_in_epoch > 0)
-            self.checkpoints.save(state, epoch, self.global_step, best, wait=wait)
-        self.strategy.barrier()
-        self._last_save = time.monotonic()
-
     def _improves_best(self, row: dict[str, Any]) -> bool:
         value = row.get(self.config.best_metric)
         if value is None or value != value:  # missing or NaN
@@ -424,80 +503,6 @@ class BaseTrainer(abc.ABC):
         if better:
             self.best_value = value
         return better
-
-    def _config_dict(self) -> dict[str, Any]:
-        options = {}
-        if dataclasses.is_dataclass(self.options) and not isinstance(self.options, type):
-            options = dataclasses.asdict(self.options)
-        return {"train": dataclasses.asdict(self.config), "options": options}
-
-    def _restore(self) -> None:
-        """Resume (``--resume``) or start from other weights (``--load-weights``)."""
-        cfg = self.config
-        choice: str | None = None
-        if self.dist.is_main:
-            if cfg.resume == "auto":
-                found = load_latest_valid(self.checkpoints.directory, self.warn)
-                choice = None if found is None else str(found[0])
-            elif cfg.resume != "never":
-                choice = cfg.resume
-        choice = self.strategy.broadcast_object(choice)
-        if choice is not None:
-            state = load_file(Path(choice))
-            self._check_resumable(state, Path(choice))
-            self._load_state(state, Path(choice), optimizer=True, scheduler=True, counters=True)
-            self.progress.info(
-                f"dmltrain: resuming from {choice} (epoch {self.epoch + 1}, "
-                f"{self.step_in_epoch} steps into it, global step {self.global_step})"
-            )
-        elif cfg.load_weights:
-            path = Path(cfg.load_weights)
-            self._load_state(
-                load_file(path), path, cfg.load_optimizer, cfg.load_scheduler, cfg.load_epoch
-            )
-            self.progress.info(f"dmltrain: weights loaded from {cfg.load_weights}")
-
-    def _check_resumable(self, state: dict[str, Any], path: Path) -> None:
-        """Batch size, seed and world size fix the data order: they must match. Other
-        changed settings are listed in a warning."""
-        saved, now = state["config"], self._config_dict()
-        before = {**saved["train"], "world size": state["world_size"]}
-        current = {**now["train"], "world size": self.dist.world_size}
-        for key in ("batch_size", "seed", "world size"):
-            if before.get(key) != current.get(key):
-                raise UserError(
-                    f"cannot resume from {path}: {key} is {current.get(key)!r} now but was "
-                    f"{before.get(key)!r}; use the same value, or start a new run "
-                    "(--resume never with a new --run-dir)"
-                )
-        changed = [
-            f"{k}: {saved['options'].get(k)!r} -> {v!r}"
-            for k, v in now["options"].items()
-            if saved["options"].get(k) != v
-        ]
-        if changed and self.dist.is_main:
-            self.warn(f"resuming {path} with changed options: {', '.join(changed)}")
-
-    def _load_state(
-        self, state: dict[str, Any], path: Path, optimizer: bool, scheduler: bool, counters: bool
-    ) -> None:
-        check_model_fits(self.strategy.eval_model(self.model), state["model"], path)
-        options = StateDictOptions(full_state_dict=True, strict=True)
-        set_model_state_dict(self.model, state["model"], options=options)
-        if optimizer:
-            set_optimizer_state_dict(
-                self.model, self.optimizer, state["optimizer"], options=options
-            )
-        if scheduler and self.scheduler is not None and state["scheduler"] is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
-        if counters:
-            self.epoch, self.step_in_epoch = state["epoch"], state["step_in_epoch"]
-            self.global_step = state["global_step"]
-            self.epoch_metrics = state["epoch_metrics"][self.dist.rank]
-            self.best_value = state.get("best_value")
-            self.training_log.rows = list(state["training_log"])
-            if "rng" in state and len(state["rng"]) == self.dist.world_size:
-                set_rng_state(state["rng"][self.dist.rank])
 
     def resolved_config_yaml(self) -> str:
         groups = [(title, section(self.config, cls)) for title, cls in CONCERNS]

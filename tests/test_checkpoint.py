@@ -242,3 +242,74 @@ def test_async_checkpoints_give_the_same_run(tmp_path):
     b = load_file(tmp_path / "async" / "checkpoints" / "latest.pt")
     assert a["global_step"] == b["global_step"]
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
+
+
+FSDP = [*TINY, "--nprocs", "2", "--strategy", "fsdp"]
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("fsdp") / "run"
+    done = run_cli(*FSDP, "--checkpoint-every-steps", "4", "--run-dir", str(run), cwd=run.parent)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return run
+
+
+def test_fsdp_writes_sharded_checkpoints_and_resumes_bit_exactly(fsdp_run, tmp_path):
+    latest = fsdp_run / "checkpoints" / "latest.dcp"
+    assert latest.is_symlink() and latest.resolve().is_dir()
+    files = sorted(p.name for p in latest.resolve().iterdir())
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "trainer.pt"]
+    assert not list((fsdp_run / "checkpoints").glob("ckpt-*.pt"))
+    run = tmp_path / "run"
+    args = [*FSDP, "--checkpoint-every-steps", "4", "--run-dir", str(run)]
+    stopped = run_cli(*args, "--signal-rank", "1", "--signal-at-step", "8", cwd=tmp_path)
+    assert stopped.returncode == 3, stopped.stderr[-3000:]
+    assert (run / "checkpoints" / "ckpt-000002-00000009.dcp").is_dir()
+    resumed = run_cli(*args, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout and "ckpt-000002-00000009.dcp" in resumed.stdout
+    assert_same_run(fsdp_run, run)
+
+
+def test_consolidate_makes_one_plain_file(fsdp_run, tmp_path):
+    latest = (fsdp_run / "checkpoints" / "latest.dcp").resolve()
+    out = tmp_path / "one.pt"
+    done = run_cli("consolidate", str(latest), "-o", str(out), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    state = torch.load(out, weights_only=True)
+    final = torch.load(fsdp_run / "final_weights.pt", weights_only=True)
+    assert sorted(state["model"]) == sorted(final)
+    for key in final:
+        assert torch.equal(state["model"][key], final[key]), key
+    assert sorted(state["optimizer"]["state"]) == sorted(final)
+    assert state["global_step"] == 18 and state["epoch"] == 3
+    # the file resumes and fine-tunes like any other: here with DDP and 1 process
+    for extra in (
+        ["--nprocs", "2", "--resume", str(out), "--epochs", "4"],
+        ["--load-weights", str(out)],
+    ):
+        run = tmp_path / f"from-{len(extra)}"
+        again = run_cli(*TINY, *extra, "--run-dir", str(run), cwd=tmp_path)
+        assert again.returncode == 0, again.stderr[-3000:]
+    # a sharded checkpoint also loads directly into a 1-process run
+    direct = run_cli(
+        *TINY, "--load-weights", str(latest), "--run-dir", str(tmp_path / "d"), cwd=tmp_path
+    )
+    assert direct.returncode == 0 and "weights loaded from" in direct.stdout, direct.stderr
+    wrong = run_cli("consolidate", str(out), cwd=tmp_path)
+    assert wrong.returncode == 2 and "is not a sharded checkpoint directory" in wrong.stderr
+
+
+def test_a_torn_sharded_checkpoint_falls_back_to_the_previous(fsdp_run, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(fsdp_run, run, symlinks=True)
+    newest = list_checkpoints(run / "checkpoints")[0]
+    shard = newest / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:100])
+    done = run_cli(*FSDP, "--epochs", "4", "--run-dir", str(run), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"checkpoint {newest} is incomplete or corrupt (shard __1_0.distcp)" in done.stderr
+    assert "falling back to the previous checkpoint" in done.stderr

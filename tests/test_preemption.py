@@ -2,13 +2,14 @@
 
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from conftest import assert_same_run, run_cli
+from conftest import assert_same_run, cli_env, run_cli
 from dmltrain.checkpoint import list_checkpoints, load_file
 from dmltrain.preemption import PreemptionWatcher
 
@@ -69,6 +70,31 @@ def test_sigusr1_then_resume_is_bit_exact(uninterrupted, tmp_path, nprocs, when)
     assert_same_run(uninterrupted[nprocs], run)
     final = load_file(run / "checkpoints" / "latest.pt")
     assert final["global_step"] == 3 * per_epoch  # no step taken twice or skipped
+
+
+@pytest.mark.parametrize("name", ["SIGTERM", "SIGINT"])
+def test_sigterm_and_sigint_from_outside_then_resume_is_bit_exact(uninterrupted, tmp_path, name):
+    """What a scheduler does (SIGTERM at preemption or the time limit, Ctrl-C by hand):
+    checkpoint at the next step, exit 3, resume to the same result."""
+    run = tmp_path / "run"
+    args = [*TINY, "--nprocs", "1", "--run-dir", str(run)]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dmltrain", *args, "--progress", "log", "--log-every", "1",
+         "--step-sleep", "0.3"],
+        cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "epoch 1/3 step 3/" in line:
+            proc.send_signal(getattr(signal, name))
+            break
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 3, err
+    assert f"preempted ({name})" in err
+    assert list_checkpoints(run / "checkpoints")
+    resumed = run_cli(*args, cwd=tmp_path)
+    assert resumed.returncode == 0 and "resuming from" in resumed.stdout, resumed.stderr
+    assert_same_run(uninterrupted[1], run)
 
 
 @pytest.mark.parametrize("nprocs", [1, 2])

@@ -113,6 +113,29 @@ def test_preempted_job_checkpoints_requeues_resumes_and_completes(slurm, referen
     assert_same_run(reference, run)
 
 
+def test_preempted_array_task_requeues_itself_not_the_array(slurm, reference, tmp_path):
+    """Two array tasks (one at a time on this 2-CPU node); task 1 is preempted. Only task 1
+    may be requeued: requeueing the array id would rerun the finished task 0 too."""
+    array = sbatch(
+        tmp_path,
+        *TINY,
+        "--step-sleep",
+        "0.4",
+        options=("--array", "0-1", "--output", str(tmp_path / "job-%a.out")),
+    )
+    out = tmp_path / "job-1.out"
+    wait_for(lambda: out.exists() and "epoch 1/3 step 3/" in out.read_text(), 240, "task 1")
+    subprocess.run(["scancel", "--signal=USR1", f"{array}_1"], check=True)
+    release_requeues_until_done(f"{array}_1", tmp_path)
+    wait_for(lambda: job_field(f"{array}_0", "JobState") == "COMPLETED", 60, "task 0")
+    assert f"checkpoint saved, requeueing job {array}_1" in out.read_text()
+    assert job_field(f"{array}_1", "Restarts") == "1"
+    assert job_field(f"{array}_0", "Restarts") == "0"
+    assert "resuming from" not in (tmp_path / "job-0.out").read_text()
+    for task in (0, 1):
+        assert_same_run(reference, tmp_path / "runs" / f"tiny-{array}_{task}")
+
+
 def test_epochs_per_job_chain_through_requeue(slurm, reference, tmp_path):
     job = sbatch(tmp_path, *TINY, "--epochs-per-job", "1")
     release_requeues_until_done(job, tmp_path)

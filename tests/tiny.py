@@ -24,6 +24,9 @@ class TinyOptions:
     signal_rank: int = field(default=-1, metadata={"help": "this rank sends itself SIGUSR1"})
     signal_at_step: int = field(default=0, metadata={"help": "... at this global step"})
     step_sleep: float = field(default=0.0, metadata={"help": "seconds to sleep each step"})
+    nan_rank: int = field(default=-1, metadata={"help": "this rank injects a NaN"})
+    nan_at_step: int = field(default=0, metadata={"help": "... at this global step"})
+    nan_into: str = field(default="loss", metadata={"help": "... into: loss or gradient"})
 
 
 class TinyTrainer(BaseTrainer):
@@ -51,7 +54,18 @@ class TinyTrainer(BaseTrainer):
         if self.opts.step_sleep:
             time.sleep(self.opts.step_sleep)  # a slow step, so a test can signal mid-run
         x, y = batch
-        return F.mse_loss(self.model(x), y)
+        loss = F.mse_loss(self.model(x), y)
+        if self._injecting("loss"):
+            loss = loss * float("nan")
+        return loss
+
+    def _injecting(self, into: str) -> bool:
+        o = self.opts
+        return (o.nan_into, self.dist.rank, self.global_step) == (into, o.nan_rank, o.nan_at_step)
+
+    def on_after_backward(self):
+        if self._injecting("gradient"):  # after DDP's all-reduce: this rank alone sees it
+            self.strategy.eval_model(self.model)[2].weight.grad[0, 0] = float("inf")
 
     def on_train_end(self):
         if self.opts.save_weights:

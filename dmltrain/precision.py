@@ -1,0 +1,98 @@
+"""Numeric precision, chosen once: ``--precision {fp32,fp16,bf16}``.
+
+``Precision`` owns autocast, the fp16 grad scaler and its state; the loop calls the same
+methods whatever the choice. fp16 uses ``torch.amp.GradScaler`` (on CUDA, and on the CPU
+where this torch supports it); bf16 needs no scaler. A step the scaler drops because the
+scaled gradients overflowed is normal in fp16: it is counted (on the device, no sync) and
+reported as ``skipped_steps``, not treated as a NaN.
+"""
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from dmltrain.errors import UserError
+
+DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def check_available(kind: str, device: torch.device) -> None:
+    """A UserError naming what to use instead, if ``kind`` cannot run on ``device``."""
+    dtype = DTYPES[kind]
+    if dtype is None:
+        return
+    if device.type == "cuda":
+        if kind == "bf16" and not torch.cuda.is_bf16_supported(including_emulation=False):
+            name = torch.cuda.get_device_name(device)
+            raise UserError(
+                f"--precision bf16 needs a GPU with bfloat16 support (compute capability "
+                f"8.0 or newer); {name} has none: use --precision fp16"
+            )
+        return
+    try:
+        with torch.autocast(device.type, dtype=dtype):
+            torch.ones(2, 2, device=device) @ torch.ones(2, 2, device=device)
+        if kind == "fp16":
+            torch.amp.GradScaler(device.type)
+    except Exception as exc:
+        other = "bf16 or fp32" if kind == "fp16" else "fp32"
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise UserError(
+            f"--precision {kind} is not available on {device.type} with torch "
+            f"{torch.__version__} ({first[:120]}); use --precision {other}"
+        ) from None
+
+
+class Precision:
+    """Autocast, loss scaling and the scaler's state for one precision on one device."""
+
+    def __init__(self, kind: str, device: torch.device) -> None:
+        check_available(kind, device)
+        self.kind = kind
+        self.device = device
+        self.dtype: torch.dtype | None = DTYPES[kind]
+        self.scaler = torch.amp.GradScaler(device.type) if kind == "fp16" else None
+        self.skipped = torch.zeros((), dtype=torch.int64, device=device)  # overflow steps
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.dtype)
+
+    def backward(self, loss: Tensor) -> None:
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """Gradients back to their true values (before clipping or checking them)."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer step; with a scaler, skipped (and counted) if gradients overflowed."""
+        if self.scaler is None:
+            optimizer.step()
+            return
+        # GradScaler keeps its scale as a device tensor; comparing it before and after the
+        # update tells an overflow step without a host sync.
+        before = self.scaler._scale.clone()  # type: ignore[union-attr]
+        self.scaler.step(optimizer)
+        self.scaler.update()
+        self.skipped += self.scaler._scale < before  # type: ignore[operator]
+
+    @property
+    def scale(self) -> Tensor | None:
+        """The current loss scale (a device tensor), or None without a scaler."""
+        return None if self.scaler is None else self.scaler._scale
+
+    def state_dict(self) -> dict[str, Any] | None:
+        if self.scaler is None:
+            return None
+        return {"scaler": self.scaler.state_dict(), "skipped": int(self.skipped)}
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        if self.scaler is None or state is None:
+            return
+        self.scaler.load_state_dict(state["scaler"])
+        self.skipped.fill_(state["skipped"])

@@ -1,0 +1,237 @@
+"""What a checkpoint of a run holds, and how a run comes back from one.
+
+``Checkpointer`` is the trainer's part that saves (every epoch, every N steps or minutes,
+on preemption, at the end) and restores (``--resume``, ``--load-weights``). The files
+themselves are ``dmltrain.checkpoint``'s business.
+
+A checkpoint holds: model (no wrapper prefixes), optimizer, LR scheduler, grad scaler,
+epoch, global step, steps done in the epoch in progress and its partial metric sums
+(per rank), RNG states of every rank, the resolved config, the training log so far, the
+best metric value, the tracking run id, the world size and a format version. The data
+order needs nothing more: it is a function of seed, epoch and the steps already done.
+"""
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+    set_state_dict,
+)
+
+from dmltrain.checkpoint import (
+    CheckpointDir,
+    check_model_fits,
+    load_file,
+    load_latest_valid,
+    load_sharded,
+    rng_state,
+    set_rng_state,
+    shapes_of,
+    sharded_shapes,
+    strip_prefixes,
+)
+from dmltrain.errors import UserError
+
+if TYPE_CHECKING:
+    from dmltrain.trainer import BaseTrainer
+
+
+class Checkpointer:
+    """Saves and restores the state of ``trainer`` (model, optimizer, counters, ...)."""
+
+    def __init__(self, trainer: "BaseTrainer", directory: Path) -> None:
+        self.trainer = trainer
+        config = trainer.config
+        self.files = CheckpointDir(directory, config.keep_last, config.async_checkpoint)
+        fmt = config.checkpoint_format
+        self.sharded = fmt == "sharded" or (fmt == "auto" and trainer.strategy.name == "fsdp")
+        if self.sharded and trainer.strategy.name == "horovod":
+            raise UserError(
+                "--checkpoint-format sharded needs torch.distributed (ddp or fsdp); "
+                "use --checkpoint-format full with horovod"
+            )
+        self.last_save = time.monotonic()
+
+    # ----- saving -------------------------------------------------------------------------
+    def save(self, best: bool, wait: bool = False) -> None:
+        """Collective: every rank contributes; rank 0 writes (every rank, when sharded)."""
+        t = self.trainer
+        # Per rank: RNG streams and the partial epoch's metric sums.
+        # An optimizer that has not stepped yet has no state; get_state_dict creates it with
+        # a zero step (Adam's step count moves), which is undone after the save.
+        fresh = not t.optimizer.state
+        rng = t.strategy.all_gather_object(rng_state())
+        epoch_metrics = t.strategy.all_gather_object(t.epoch_metrics)
+        meta = None
+        if t.dist.is_main:
+            meta = {
+                "scheduler": None if t.scheduler is None else t.scheduler.state_dict(),
+                "scaler": t.precision.state_dict(),
+                "epoch": t.epoch,
+                "step_in_epoch": t.step_in_epoch,
+                "global_step": t.global_step,
+                "epoch_metrics": epoch_metrics,
+                "rng": rng,
+                "world_size": t.dist.world_size,
+                "config": config_dict(t),
+                "training_log": t.training_log.rows,
+                "best_value": t.best_value,
+                "tracking_run_id": t.tracking_run_id,
+                "skip_steps": sorted(t.skip_steps),
+                "optimizer_fresh": fresh,
+            }
+        epoch = t.epoch + (t.step_in_epoch > 0)
+        if self.sharded:
+            model_state, optim_state = get_state_dict(t.model, t.optimizer)
+            shards = {"model": model_state, "optimizer": optim_state}
+            self.files.save_sharded(shards, meta, epoch, t.global_step, best, t.strategy.barrier)
+        else:
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            model_state, optim_state = get_state_dict(t.model, t.optimizer, options=options)
+            if meta is not None:
+                state = {"model": strip_prefixes(model_state), "optimizer": optim_state, **meta}
+                self.files.save(state, epoch, t.global_step, best, wait=wait)
+            t.strategy.barrier()
+        if fresh:
+            t.optimizer.state.clear()
+        self.last_save = time.monotonic()
+
+    def wait(self) -> None:
+        """Block until a background write is on disk (rank 0)."""
+        self.files.wait()
+
+    # ----- restoring ----------------------------------------------------------------------
+    def restore(self) -> None:
+        """Resume (``--resume``) or start from other weights (``--load-weights``)."""
+        t, cfg = self.trainer, self.trainer.config
+        choice: str | None = None
+        if t.dist.is_main:
+            if cfg.resume == "auto":
+                found = load_latest_valid(self.files.directory, t.warn)
+                choice = None if found is None else str(found[0])
+            elif cfg.resume != "never":
+                choice = cfg.resume
+        choice = t.strategy.broadcast_object(choice)
+        if choice is not None:
+            path = Path(choice)
+            state = load_file(path)
+            self._check_resumable(state, path)
+            self._load(state, path, optimizer=True, scheduler=True, scaler=True, counters=True)
+            t.progress.info(
+                f"dmltrain: resuming from {choice} (epoch {t.epoch + 1}, "
+                f"{t.step_in_epoch} steps into it, global step {t.global_step})"
+            )
+        elif cfg.load_weights:
+            path = Path(cfg.load_weights)
+            self._load(
+                load_file(path),
+                path,
+                cfg.load_optimizer,
+                cfg.load_scheduler,
+                cfg.load_scaler,
+                cfg.load_epoch,
+            )
+            t.progress.info(f"dmltrain: weights loaded from {cfg.load_weights}")
+
+    def rollback(self) -> Path:
+        """Every rank reloads the newest valid checkpoint of this run (after a NaN)."""
+        t = self.trainer
+        choice = None
+        if t.dist.is_main:
+            found = load_latest_valid(self.files.directory, t.warn)
+            choice = None if found is None else str(found[0])
+        choice = t.strategy.broadcast_object(choice)
+        if choice is None:
+            raise UserError(
+                f"--on-nan rollback: no checkpoint in {self.files.directory} to roll back to"
+            )
+        path = Path(choice)
+        self._load(load_file(path), path, True, True, True, True)
+        return path
+
+    def _check_resumable(self, state: dict[str, Any], path: Path) -> None:
+        """Batch size, seed and world size fix the data order: they must match. Other
+        changed settings are listed in a warning."""
+        t = self.trainer
+        saved, now = state["config"], config_dict(t)
+        before = {**saved["train"], "world size": state["world_size"]}
+        current = {**now["train"], "world size": t.dist.world_size}
+        for key in ("batch_size", "seed", "world size", "grad_accum"):
+            if key in before and before.get(key) != current.get(key):
+                raise UserError(
+                    f"cannot resume from {path}: {key} is {current.get(key)!r} now but was "
+                    f"{before.get(key)!r}; use the same value, or start a new run "
+                    "(--resume never with a new --run-dir)"
+                )
+        changed = [
+            f"{k}: {saved['options'].get(k)!r} -> {v!r}"
+            for k, v in now["options"].items()
+            if saved["options"].get(k) != v
+        ]
+        if changed and t.dist.is_main:
+            t.warn(f"resuming {path} with changed options: {', '.join(changed)}")
+
+    def _load(
+        self,
+        state: dict[str, Any],
+        path: Path,
+        optimizer: bool,
+        scheduler: bool,
+        scaler: bool,
+        counters: bool,
+    ) -> None:
+        t = self.trainer
+        t.optimizer.zero_grad(set_to_none=True)  # loading may take a zero step (see save)
+        own = shapes_of(strip_prefixes(t.strategy.eval_model(t.model).state_dict()))
+        if state.get("sharded"):
+            check_model_fits(own, sharded_shapes(path), path)
+            model_state, optim_state = get_state_dict(t.model, t.optimizer)
+            shards: dict[str, Any] = {"model": model_state}
+            if optimizer:
+                shards["optimizer"] = optim_state
+            load_sharded(path, shards)
+            if optimizer:
+                set_state_dict(
+                    t.model,
+                    t.optimizer,
+                    model_state_dict=shards["model"],
+                    optim_state_dict=shards["optimizer"],
+                )
+            else:
+                set_model_state_dict(t.model, shards["model"])
+        else:
+            check_model_fits(own, shapes_of(state["model"]), path)
+            options = StateDictOptions(full_state_dict=True, strict=True)
+            set_model_state_dict(t.model, state["model"], options=options)
+            if optimizer:
+                set_optimizer_state_dict(t.model, t.optimizer, state["optimizer"], options=options)
+        if optimizer and state.get("optimizer_fresh"):
+            t.optimizer.state.clear()  # saved before its first step: keep it fresh
+        if scheduler and t.scheduler is not None and state["scheduler"] is not None:
+            t.scheduler.load_state_dict(state["scheduler"])
+        if scaler:
+            t.precision.load_state_dict(state.get("scaler"))
+        if counters:
+            t.skip_steps = {tuple(s) for s in state.get("skip_steps", [])}
+            t.epoch, t.step_in_epoch = state["epoch"], state["step_in_epoch"]
+            t.global_step = state["global_step"]
+            t.epoch_metrics = state["epoch_metrics"][t.dist.rank]
+            t.best_value = state.get("best_value")
+            t.tracking_run_id = state.get("tracking_run_id")
+            t.training_log.rows = list(state["training_log"])
+            if "rng" in state and len(state["rng"]) == t.dist.world_size:
+                set_rng_state(state["rng"][t.dist.rank])
+
+
+def config_dict(trainer: "BaseTrainer") -> dict[str, Any]:
+    """The resolved config as plain values: training settings and experiment options."""
+    options = {}
+    if dataclasses.is_dataclass(trainer.options) and not isinstance(trainer.options, type):
+        options = dataclasses.asdict(trainer.options)
+    return {"train": dataclasses.asdict(trainer.config), "options": options}
