@@ -11,6 +11,8 @@ Logging off, no checkpoints inside the loop, one process, the device given (defa
 """
 
 import argparse
+import contextlib
+import io
 import statistics
 import tempfile
 import time
@@ -67,7 +69,8 @@ def step_time(check: bool, steps: int, device: str, root: Path, rep: int) -> flo
         dist = replace(dist, device=device)
     Timed.steps = steps
     trainer = Timed(config, dist=dist)
-    trainer.fit()
+    with contextlib.redirect_stdout(io.StringIO()):  # the run's banner and epoch line
+        trainer.fit()
     return trainer.loop_time / steps
 
 

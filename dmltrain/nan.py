@@ -1,8 +1,9 @@
 """NaN/Inf checks that every rank agrees on: ``--check-nans``, ``--on-nan``.
 
-A check is one fused finiteness reduction per group of tensors (the max-abs norm of each
-tensor, computed by one ``_foreach_norm``, is finite exactly when the tensor is), then one
-collective that tells every rank which ranks saw what; only then is there a host sync.
+A check is one fused finiteness reduction per group of tensors (the 2-norms of all of
+them, computed in fp32 by one ``_foreach_norm``: NaN or Inf anywhere makes its tensor's norm
+non-finite; so do values beyond about 1e19, which overflow the norm and are no better),
+then one collective that tells every rank which ranks saw what; only then is there a host sync.
 Every rank therefore takes the same decision in the same step. Naming the offending
 parameters is the slow path, taken only after a failure.
 
@@ -33,7 +34,7 @@ def nonfinite(tensors: Iterable[Tensor], device: torch.device) -> Tensor:
     local = [t for t in (_local(t.detach()) for t in tensors) if t.numel()]
     if not local:
         return torch.zeros((), dtype=torch.bool, device=device)
-    norms = torch._foreach_norm(local, ord=float("inf"))
+    norms = torch._foreach_norm(local, 2, dtype=torch.float32)
     return ~torch.isfinite(torch.stack([n.to(device) for n in norms])).all()
 
 
