@@ -47,6 +47,21 @@ def _add_consolidate(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _plot(args: argparse.Namespace) -> int:
+    from dmltrain.plot import plot_run
+
+    written = plot_run(Path(args.run_dir), Path(args.output) if args.output else None)
+    print(f"dmltrain: wrote {written}")
+    return 0
+
+
+def _add_plot(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", help="a run directory (holding training_log.csv)")
+    parser.add_argument(
+        "-o", "--output", help="PNG file to write (default: RUN_DIR/training_curves.png)"
+    )
+
+
 # Subcommands that are not experiments: name -> (help, add arguments, run).
 TOOLS: dict[
     str,
@@ -57,7 +72,19 @@ TOOLS: dict[
         _add_consolidate,
         _consolidate,
     ),
+    "plot": ("draw a run's loss and metric curves into a PNG", _add_plot, _plot),
+    "doctor": (
+        "check this environment (GPUs, backends, Horovod, wandb, a real all-reduce)",
+        lambda parser: _doctor().add_arguments(parser),
+        lambda args: _doctor().run(args),
+    ),
 }
+
+
+def _doctor() -> Any:
+    from dmltrain import doctor
+
+    return doctor
 
 
 @dataclass(frozen=True)
@@ -214,7 +241,9 @@ def main(argv: Sequence[str] | None = None, experiments: Sequence[Experiment] = 
     known.update({experiment.name: experiment for experiment in experiments})
     if argv and argv[0] in TOOLS:
         namespace = build_parser(known).parse_args(argv)
-        return run_reporting_errors(lambda: TOOLS[argv[0]][2](namespace), 0, 1)
+        codes = []
+        status = run_reporting_errors(lambda: codes.append(TOOLS[argv[0]][2](namespace)), 0, 1)
+        return status or (codes[0] if codes else 0)
     try:
         experiment, config, options = parse(argv, known)
         trainer = experiment.trainer_cls(config, options)

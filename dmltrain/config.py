@@ -235,6 +235,31 @@ class PrecisionConfig:
         check(self.grad_accum >= 1, f"--grad-accum must be at least 1 (got {self.grad_accum})")
 
 
+@dataclass(frozen=True)
+class TrackingConfig:
+    """Experiment tracking with Weights & Biases (rank 0 only)."""
+
+    wandb_mode: Literal["auto", "disabled", "offline", "online"] = field(
+        default="auto",
+        metadata={"help": "auto: follow WANDB_MODE if it is set, else disabled"},
+    )
+    wandb_project: str | None = field(
+        default=None, metadata={"help": "wandb project (default: the experiment's name)"}
+    )
+    wandb_entity: str | None = field(default=None, metadata={"help": "wandb team or user"})
+    wandb_name: str | None = field(
+        default=None, metadata={"help": "run name (default: the run directory's name)"}
+    )
+    wandb_group: str | None = field(default=None, metadata={"help": "group runs together"})
+    wandb_tags: str = field(default="", metadata={"help": "comma-separated tags"})
+    wandb_init_timeout: float = field(
+        default=60.0, metadata={"help": "seconds to wait for wandb to start before giving up"}
+    )
+
+    def __post_init__(self) -> None:
+        check(self.wandb_init_timeout > 0, "--wandb-init-timeout must be positive")
+
+
 # The concern dataclasses, in the order their flag groups appear in --help.
 CONCERNS: tuple[tuple[str, type], ...] = (
     ("training", LoopConfig),
@@ -242,11 +267,14 @@ CONCERNS: tuple[tuple[str, type], ...] = (
     ("precision", PrecisionConfig),
     ("distributed", DistConfig),
     ("checkpointing", CheckpointConfig),
+    ("tracking", TrackingConfig),
 )
 
 
 @dataclass(frozen=True)
-class TrainConfig(LoopConfig, DataConfig, PrecisionConfig, DistConfig, CheckpointConfig):
+class TrainConfig(
+    LoopConfig, DataConfig, PrecisionConfig, DistConfig, CheckpointConfig, TrackingConfig
+):
     """Everything ``BaseTrainer`` needs: the union of the concern dataclasses."""
 
     def __post_init__(self) -> None:

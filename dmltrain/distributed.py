@@ -69,6 +69,10 @@ class Strategy:
     def setup(self) -> DistInfo:
         return self.info
 
+    def backend(self) -> str:
+        """The collective backend in use (after setup)."""
+        return "none"
+
     def wrap_model(
         self, model: nn.Module, units: list[nn.Module], param_dtype: torch.dtype | None = None
     ) -> nn.Module:
@@ -205,6 +209,9 @@ class DDPStrategy(Strategy):
     def barrier(self) -> None:
         dist.barrier()
 
+    def backend(self) -> str:
+        return str(dist.get_backend()) if dist.is_initialized() else "none"
+
     def teardown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -297,6 +304,9 @@ class HorovodStrategy(Strategy):
         if optimizer.state_dict()["state"]:
             self.hvd.broadcast_optimizer_state(wrapped, root_rank=0)
         return wrapped
+
+    def backend(self) -> str:
+        return "horovod/" + ("mpi" if self.hvd.mpi_enabled() else "gloo")
 
     def sync_gradients(self, optimizer: Any) -> None:
         optimizer.synchronize()

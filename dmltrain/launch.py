@@ -66,6 +66,40 @@ class DistInfo:
         return self.world_size > 1
 
 
+# Variables worth recording at start (diagnostics.json), by prefix or exact name.
+RELEVANT = (
+    "SLURM_", "PBS_", "PALS_", "PMI_", "OMPI_COMM_WORLD_", "HOROVOD_", "TORCHELASTIC_",
+    "MASTER_", "NCCL_", "CUDA_VISIBLE_DEVICES", "WANDB_", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+    "OMP_NUM_THREADS",
+)  # fmt: skip
+SECRET = re.compile(r"KEY|TOKEN|PASSWORD|SECRET|CREDENTIAL", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class RunEnvironment:
+    """What else a run takes from the environment, read once at start."""
+
+    wandb_mode: str | None = None  # WANDB_MODE, which --wandb-mode auto follows
+    wandb_key_set: bool = False  # WANDB_API_KEY is set (its value is never kept)
+    wandb_host: str = "https://api.wandb.ai"  # WANDB_BASE_URL
+    variables: tuple[tuple[str, str], ...] = ()  # relevant variables, secrets redacted
+
+
+def run_environment(env: Env | None = None) -> RunEnvironment:
+    env = os.environ if env is None else env
+    variables = tuple(
+        (name, "<redacted>" if SECRET.search(name) else value)
+        for name, value in sorted(env.items())
+        if name.startswith(RELEVANT)
+    )
+    return RunEnvironment(
+        wandb_mode=env.get("WANDB_MODE") or None,
+        wandb_key_set=bool(env.get("WANDB_API_KEY")),
+        wandb_host=env.get("WANDB_BASE_URL") or RunEnvironment.wandb_host,
+        variables=variables,
+    )
+
+
 def default_device(local_rank: int = 0) -> str:
     """One process per GPU: local rank N uses cuda:N; the CPU when CUDA is absent."""
     if not torch.cuda.is_available():

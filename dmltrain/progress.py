@@ -19,8 +19,16 @@ def _fmt(value: Any) -> str:
 
 
 class Progress:
-    def __init__(self, mode: str, enabled: bool, log_every: int, stream: TextIO | None = None):
+    def __init__(
+        self,
+        mode: str,
+        enabled: bool,
+        log_every: int,
+        stream: TextIO | None = None,
+        world_size: int = 1,
+    ):
         self.stream = stream or sys.stdout
+        self.world_size = world_size  # samples/s are counted on this rank, times this
         if mode == "auto":
             mode = "bar" if sys.stderr.isatty() else "log"
         self.mode = mode if enabled else "off"
@@ -45,12 +53,21 @@ class Progress:
         else:
             yield from batches
 
-    def step(self, step: int, samples: int, read_metrics: Callable[[], dict[str, float]]) -> None:
-        """Called after every step; syncs and reports only at the log interval."""
-        if self.mode == "off" or (step % self.log_every and step != self._total):
-            return
+    def step(
+        self,
+        step: int,
+        samples: int,
+        read_metrics: Callable[[], dict[str, float]],
+        track: bool = False,
+    ) -> dict[str, float] | None:
+        """Called after every step; at the log interval (and the epoch's last step) reads
+        the metrics (one device sync), shows them and returns them with ``samples_per_s``
+        (all ranks together). Nothing is read when nobody looks (progress off, no
+        ``track``)."""
+        if (self.mode == "off" and not track) or (step % self.log_every and step != self._total):
+            return None
         now = time.perf_counter()
-        rate = (samples - self._last_samples) / max(now - self._last_time, 1e-9)
+        rate = self.world_size * (samples - self._last_samples) / max(now - self._last_time, 1e-9)
         self._last_time, self._last_samples = now, samples
         metrics = read_metrics()
         if self._bar is not None:
@@ -61,6 +78,7 @@ class Progress:
                 f"epoch {self._epoch}/{self._epochs} step {step}/{self._total} "
                 f"{shown} {rate:.0f} samples/s"
             )
+        return {**metrics, "samples_per_s": rate}
 
     def epoch_summary(self, row: dict[str, Any]) -> None:
         shown = " ".join(f"{k} {_fmt(v)}" for k, v in row.items() if k != "epoch")

@@ -14,6 +14,7 @@ Data loading policy (documented in the README):
 import abc
 import contextlib
 import dataclasses
+import inspect
 import math
 import random
 import sys
@@ -27,9 +28,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from dmltrain import launch, preemption
+from dmltrain import diagnostics, launch, preemption
 from dmltrain.checkpoint import list_checkpoints
-from dmltrain.config import CONCERNS, DistConfig, TrainConfig, section, to_yaml
+from dmltrain.config import CONCERNS, DistConfig, TrackingConfig, TrainConfig, section, to_yaml
 from dmltrain.distributed import ResumableSampler, Strategy, create_strategy
 from dmltrain.errors import NonFiniteError, StopForRequeue, UserError
 from dmltrain.launch import DistInfo
@@ -37,7 +38,8 @@ from dmltrain.metrics import MetricAccumulator
 from dmltrain.nan import NanChecker, NanEvent
 from dmltrain.precision import Precision, check_available
 from dmltrain.progress import Progress
-from dmltrain.resume import Checkpointer
+from dmltrain.resume import Checkpointer, config_dict
+from dmltrain.tracking import Tracker, create_tracker
 from dmltrain.training_log import TrainingLog, read_training_log
 
 StepOutput = Tensor | tuple[Tensor, Mapping[str, Tensor | float]]
@@ -133,6 +135,7 @@ class BaseTrainer(abc.ABC):
         if dist is None:
             dist = launch.detect(self.config.launcher, self.config.nprocs)
         self.dist = dist
+        self.environment = launch.run_environment()
         self.device = torch.device(self.dist.device)
         # Chosen (and checked) now, so bad settings fail before any process starts.
         self.strategy = create_strategy(self.dist, section(self.config, DistConfig))
@@ -143,6 +146,7 @@ class BaseTrainer(abc.ABC):
         self.epoch_metrics: dict[str, Any] | None = None  # partial epoch (mid-epoch resume)
         self.best_value: float | None = None
         self.tracking_run_id: str | None = None
+        self.tracker = Tracker()  # rank 0's real one is made in setup
         self.skip_steps: set[tuple[int, int]] = set()  # (epoch, step) dropped by a rollback
         self._spawned_worker = False
 
@@ -233,8 +237,14 @@ class BaseTrainer(abc.ABC):
         )
         try:
             self.setup()
-            return self._fit()
+            rows = self._fit()
+            self.tracker.finish()
+            return rows
+        except StopForRequeue:
+            self.tracker.finish(preempted=True)
+            raise
         except Exception as exc:
+            self.tracker.finish()
             lost = self.strategy.lost_peer(exc)
             if lost is None:
                 raise
@@ -277,7 +287,12 @@ class BaseTrainer(abc.ABC):
             self.progress.epoch_summary(row)
             self.on_epoch_end(epoch, row)
             self.epoch, self.step_in_epoch, self.epoch_metrics = epoch + 1, 0, None
-            self.checkpointer.save(best=self._improves_best(row))
+            best = self._improves_best(row)
+            self.tracker.log(row, self.global_step)
+            if best:
+                metric = self.config.best_metric
+                self.tracker.summary({f"best_{metric}": self.best_value, "best_epoch": epoch + 1})
+            self.checkpointer.save(best=best)
             epochs_this_job += 1
             per_job = self.config.epochs_per_job
             if per_job and epochs_this_job >= per_job and self.epoch < self.config.epochs:
@@ -309,9 +324,20 @@ class BaseTrainer(abc.ABC):
                 self._optimizer_step(micro_batches, metrics, epoch + 1, step)
             self.global_step += 1
             self.step_in_epoch = step
-            self.progress.step(step, metrics.count, metrics.compute)  # rank 0's running mean
+            # rank 0's running means, read at the log interval only
+            shown = self.progress.step(step, metrics.count, metrics.compute, self.tracker.active)
+            if shown is not None and self.tracker.active:
+                self._track_step(shown)
             self._step_boundary(metrics)
         return metrics.compute(self.strategy.all_reduce_sum)
+
+    def _track_step(self, shown: dict[str, float]) -> None:
+        values = {f"train/{k}": v for k, v in shown.items()}
+        values["train/lr"] = self.optimizer.param_groups[0]["lr"]
+        if self.precision.scale is not None:
+            values["train/grad_scale"] = float(self.precision.scale)
+            values["train/skipped_steps"] = int(self.precision.skipped)
+        self.tracker.log(values, self.global_step)
 
     def _optimizer_step(
         self, micro_batches: list[Any], metrics: MetricAccumulator, epoch: int, step: int
@@ -433,7 +459,12 @@ class BaseTrainer(abc.ABC):
         """Processes, run directory, model, data, optimizer: everything ``fit`` needs."""
         self.dist = self.strategy.setup()
         self.device = torch.device(self.dist.device)
-        self.progress = Progress(self.config.progress, self.dist.is_main, self.config.log_every)
+        self.progress = Progress(
+            self.config.progress,
+            self.dist.is_main,
+            self.config.log_every,
+            world_size=self.dist.world_size,
+        )
         self.run_dir = self._prepare_run_dir()
         cfg = self.config
         self.precision = Precision(cfg.precision, self.device)
@@ -470,13 +501,41 @@ class BaseTrainer(abc.ABC):
         self.checkpointer.restore()
         if cfg.check_nans and cfg.on_nan == "rollback" and self.global_step == 0:
             self.checkpointer.save(best=False)  # something to roll back to from step 1
+        ranks = self.strategy.all_gather_object(diagnostics.this_rank(self.dist))
         if self.dist.is_main:
             text = self.resolved_config_yaml()
             (self.run_dir / "config.yaml").write_text(text)
             self.progress.info(f"dmltrain: {self.name} -> {self.run_dir}\n{text.rstrip()}")
+            self._write_diagnostics(ranks)
+        if self.dist.is_main:
+            self.tracker = create_tracker(
+                section(cfg, TrackingConfig),
+                self.environment.wandb_mode,
+                self.run_dir,
+                self.tracking_run_id,
+                self.name,
+                config_dict(self),
+                self.progress.info,
+            )
+            self.tracking_run_id = self.tracker.run_id
         self.watcher.deadline = self.strategy.broadcast_object(
             self._deadline() if self.dist.is_main else None
         )
+
+    def _write_diagnostics(self, ranks: list[dict[str, Any]]) -> None:
+        code = Path(inspect.getfile(type(self)))
+        info = diagnostics.collect(
+            ranks,
+            self.dist,
+            self.strategy.name,
+            self.strategy.backend(),
+            code,
+            config_dict(self),
+            self.environment,
+        )
+        path = self.run_dir / "diagnostics.json"
+        diagnostics.write(info, path)
+        self.progress.info(diagnostics.summary(info, path))
 
     def _deadline(self) -> float | None:
         """When to checkpoint and stop before the Slurm time limit (rank 0 asks Slurm)."""

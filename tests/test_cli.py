@@ -1,4 +1,5 @@
 import shutil
+import struct
 import subprocess
 import textwrap
 from dataclasses import dataclass, field
@@ -171,3 +172,20 @@ def test_register_rejects_options_that_shadow_builtins():
         register_experiment("clash", SquareTrainer, Clash)
     with pytest.raises(TypeError):
         register_experiment("notatrainer", object)  # type: ignore[arg-type]
+
+
+def test_plot_writes_a_png_of_the_curves(tmp_path):
+    run = tmp_path / "run"
+    args = ["tiny", "--epochs", "3", "--progress", "off", "--run-dir", str(run)]
+    done = run_cli(*args, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    plotted = run_cli("plot", str(run), cwd=tmp_path)
+    assert plotted.returncode == 0, plotted.stderr
+    png = (run / "training_curves.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", png[16:24])  # the IHDR chunk
+    assert (width, height) == (1200, 450)
+    missing = run_cli("plot", str(tmp_path / "nowhere"), cwd=tmp_path)
+    assert missing.returncode == 2
+    (line,) = missing.stderr.strip().splitlines()
+    assert "training_log.csv does not exist: pass a run directory" in line

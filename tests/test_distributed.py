@@ -60,6 +60,7 @@ def test_spawn_writes_once_from_rank_0(reference):
     assert sorted(p.name for p in run.iterdir()) == [
         "checkpoints",
         "config.yaml",
+        "diagnostics.json",
         "final_weights.pt",
         "training_log.csv",
     ]

@@ -1,0 +1,161 @@
+"""Startup diagnostics: what ran where, with which versions and settings.
+
+At start every rank reports its host and device (one gather); rank 0 prints a compact
+block and writes ``diagnostics.json`` into the run directory with: the ranks, world size,
+launcher, strategy and backend, torch / CUDA / cuDNN / NCCL / Horovod / MPI / Python
+versions, the git commit and dirty state of the experiment's code, the command line, the
+resolved config and the relevant environment (``SLURM_*``, ``PBS_*``, ``MASTER_*``,
+``NCCL_*``, ``CUDA_VISIBLE_DEVICES``, ...; values of names with KEY, TOKEN, PASSWORD,
+SECRET or CREDENTIAL in them redacted by ``dmltrain.launch``).
+"""
+
+import importlib.metadata
+import json
+import platform
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dmltrain.launch import DistInfo, RunEnvironment, hostname
+
+
+def this_rank(dist: DistInfo) -> dict[str, Any]:
+    device = torch.device(dist.device)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
+    return {
+        "rank": dist.rank,
+        "local_rank": dist.local_rank,
+        "node_rank": dist.node_rank,
+        "host": hostname(),
+        "device": dist.device,
+        "device_name": name or platform.machine(),
+    }
+
+
+def _package(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _first_line_of(command: list[str]) -> str | None:
+    if shutil.which(command[0]) is None:
+        return None
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = (done.stdout or done.stderr).strip().splitlines()
+    return lines[0] if lines else None
+
+
+def versions() -> dict[str, str | None]:
+    nccl = None
+    if torch.cuda.is_available() and hasattr(torch.cuda, "nccl"):
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": None if cudnn is None else str(cudnn),
+        "nccl": nccl,
+        "horovod": _package("horovod"),
+        "mpi": _first_line_of(["mpirun", "--version"]),
+        "dmltrain": _package("dmltrain"),
+        "wandb": _package("wandb"),
+    }
+
+
+def git_state(path: Path) -> dict[str, Any]:
+    """Commit and dirty state of the git checkout holding ``path`` (None outside one)."""
+    directory = path if path.is_dir() else path.parent
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(
+                ["git", "-C", str(directory), *args], capture_output=True, text=True, timeout=10
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    if commit is None:
+        return {"path": str(directory), "commit": None, "dirty": None}
+    return {"path": str(directory), "commit": commit, "dirty": bool(git("status", "--porcelain"))}
+
+
+def command_line() -> list[str]:
+    program = Path(sys.argv[0])
+    if program.name == "__main__.py":  # python -m <package>
+        return ["python", "-m", program.parent.name, *sys.argv[1:]]
+    return [program.name, *sys.argv[1:]]
+
+
+def collect(
+    ranks: list[dict[str, Any]],
+    dist: DistInfo,
+    strategy: str,
+    backend: str,
+    code: Path,
+    config: dict[str, Any],
+    environment: RunEnvironment,
+) -> dict[str, Any]:
+    return {
+        "world_size": dist.world_size,
+        "launcher": dist.launcher,
+        "strategy": strategy,
+        "backend": backend,
+        "job_id": dist.job_id,
+        "ranks": ranks,
+        "versions": versions(),
+        "code": git_state(code),
+        "command": command_line(),
+        "config": config,
+        "environment": dict(environment.variables),
+    }
+
+
+def summary(info: dict[str, Any], path: Path) -> str:
+    """The compact block printed at start."""
+    hosts: dict[str, list[str]] = {}
+    for rank in info["ranks"]:
+        hosts.setdefault(rank["host"], []).append(rank["device"])
+    where = "; ".join(f"{host}: {', '.join(devices)}" for host, devices in hosts.items())
+    v = info["versions"]
+    shown = ", ".join(
+        f"{name} {v[key]}"
+        for name, key in (
+            ("torch", "torch"),
+            ("CUDA", "cuda"),
+            ("cuDNN", "cudnn"),
+            ("NCCL", "nccl"),
+            ("Horovod", "horovod"),
+            ("MPI", "mpi"),
+            ("Python", "python"),
+        )
+        if v[key]
+    )
+    code = info["code"]
+    state = "not in git" if code["commit"] is None else code["commit"][:12]
+    if code["dirty"]:
+        state += " (uncommitted changes)"
+    return "\n".join(
+        [
+            f"dmltrain: {info['world_size']} process(es), launcher {info['launcher']}, "
+            f"strategy {info['strategy']}, backend {info['backend']}",
+            f"dmltrain: {where}",
+            f"dmltrain: {shown}",
+            f"dmltrain: code {code['path']} at {state}; details in {path}",
+        ]
+    )
+
+
+def write(info: dict[str, Any], path: Path) -> None:
+    path.write_text(json.dumps(info, indent=2, default=str) + "\n")

@@ -1,0 +1,142 @@
+"""Experiment tracking: a small interface and its Weights & Biases backend.
+
+Only rank 0 tracks; other ranks get ``Tracker()``, which does nothing. A backend is one
+subclass of ``Tracker`` (the training log, ``training_log.csv``, is written by the trainer
+whatever the tracker). Metrics are logged against ``global_step`` (a logged value that
+wandb uses as the x axis), so a resumed run continues the same curves, and a step logged
+again after a resume from an earlier checkpoint overwrites nothing.
+
+``--wandb-mode``: ``auto`` (default) follows ``WANDB_MODE`` when it is set and is
+``disabled`` otherwise, so nothing is sent anywhere unless asked for. The run id is kept
+in every checkpoint; a resumed or requeued job continues the same wandb run
+(``resume="allow"``). Online without credentials, or with the server unreachable: one
+line, then the run is logged offline under the run directory (``wandb sync`` uploads it
+later); if even that fails, or wandb is not installed: one line, and tracking is off.
+Training never stops for tracking.
+"""
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dmltrain.config import TrackingConfig
+
+
+class Tracker:
+    """Tracking that does nothing: the interface, and what ranks other than 0 use."""
+
+    run_id: str | None = None
+    active = False
+
+    def log(self, metrics: dict[str, Any], global_step: int) -> None:
+        """Metrics at ``global_step`` (training steps, validation, epoch rows)."""
+
+    def summary(self, values: dict[str, Any]) -> None:
+        """Values that describe the whole run (best metric and its epoch)."""
+
+    def finish(self, preempted: bool = False) -> None:
+        """Close the run; ``preempted``: it will be resumed by a later job."""
+
+
+def new_run_id() -> str:
+    import secrets
+
+    return secrets.token_hex(4)  # wandb's own ids are 8 lowercase letters and digits
+
+
+class WandbTracker(Tracker):
+    """A wandb run on rank 0. A failing call is reported once and ends tracking, never
+    the training."""
+
+    active = True
+
+    def __init__(self, run: Any, say: Callable[[str], None]) -> None:
+        self.run = run
+        self.run_id = run.id
+        self.say = say
+        run.define_metric("global_step")
+        run.define_metric("*", step_metric="global_step")
+
+    def _safely(self, what: str, call: Callable[[], object]) -> None:
+        if not self.active:
+            return
+        try:
+            call()
+        except Exception as exc:
+            self.active = False
+            self.say(f"dmltrain: wandb failed to {what} ({_first_line(exc)}): tracking is off")
+
+    def log(self, metrics: dict[str, Any], global_step: int) -> None:
+        self._safely("log", lambda: self.run.log({**metrics, "global_step": global_step}))
+
+    def summary(self, values: dict[str, Any]) -> None:
+        self._safely("update the summary", lambda: self.run.summary.update(values))
+
+    def finish(self, preempted: bool = False) -> None:
+        if preempted:
+            self._safely("mark the run preempted", self.run.mark_preempting)
+        self._safely("finish", lambda: self.run.finish(exit_code=3 if preempted else 0))
+        self.active = False
+
+
+def create_tracker(
+    settings: TrackingConfig,
+    env_mode: str | None,
+    run_dir: Path,
+    run_id: str | None,
+    experiment: str,
+    config: dict[str, Any],
+    say: Callable[[str], None],
+) -> Tracker:
+    """The tracker of rank 0; ``say`` prints the one line that explains a fallback."""
+    mode: str = settings.wandb_mode
+    if mode == "auto":
+        mode = env_mode if env_mode in ("disabled", "offline", "online") else "disabled"
+    if mode == "disabled":
+        return Tracker()
+    try:
+        import wandb
+    except ImportError:
+        say("dmltrain: wandb is not installed (pip install wandb): tracking is off")
+        return Tracker()
+    options: dict[str, Any] = {
+        "project": settings.wandb_project or experiment,
+        "entity": settings.wandb_entity,
+        "name": settings.wandb_name or run_dir.name,
+        "group": settings.wandb_group,
+        "tags": [t.strip() for t in settings.wandb_tags.split(",") if t.strip()] or None,
+        "id": run_id or new_run_id(),
+        "resume": "allow",
+        "dir": str(run_dir),
+        "config": config,
+    }
+
+    def start(mode: str) -> Any:
+        return wandb.init(
+            mode=mode,  # type: ignore[arg-type]
+            settings=wandb.Settings(init_timeout=settings.wandb_init_timeout, quiet=True),
+            **options,
+        )
+
+    try:
+        return WandbTracker(start(mode), say)
+    except Exception as exc:
+        why = _first_line(exc)
+        if mode != "online":
+            say(f"dmltrain: wandb could not start ({why}): tracking is off")
+            return Tracker()
+        say(
+            f"dmltrain: wandb could not start online ({why}); logging offline to "
+            f"{run_dir / 'wandb'} instead (upload later with 'wandb sync')"
+        )
+    try:
+        wandb.teardown()  # a half-started online run would block the next init
+        return WandbTracker(start("offline"), say)
+    except Exception as exc:
+        say(f"dmltrain: wandb could not start offline either ({_first_line(exc)}): tracking off")
+        return Tracker()
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return (text.splitlines()[0] if text else type(exc).__name__)[:200]

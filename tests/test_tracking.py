@@ -1,0 +1,126 @@
+"""Weights & Biases tracking with the real wandb in offline mode; the .wandb files are read
+back record by record (tests/wandb_records.py) instead of mocking wandb."""
+
+import os
+import time
+
+from conftest import cli_env, run_cli
+from wandb_records import read_run, runs_in
+
+TINY = ["tiny", "--epochs", "2", "--batch-size", "8", "--progress", "off", "--log-every", "3"]
+
+
+def wandb_env(tmp_path, **extra):
+    """wandb's own files (settings, caches) in the test's directory, not in $HOME."""
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    return {
+        "HOME": str(home),
+        "WANDB_CONFIG_DIR": str(home / "config"),
+        "WANDB_CACHE_DIR": str(home / "cache"),
+        "WANDB_DATA_DIR": str(home / "data"),
+        **extra,
+    }
+
+
+def train(tmp_path, run, *args, **env):
+    done = run_cli(*TINY, *args, "--run-dir", str(run), cwd=tmp_path, timeout=240,
+                   **wandb_env(tmp_path, **env))  # fmt: skip
+    return done
+
+
+def test_offline_run_has_the_config_and_the_logged_metrics(tmp_path):
+    run = tmp_path / "run"
+    done = train(tmp_path, run, "--precision", "fp16", WANDB_MODE="offline")
+    assert done.returncode == 0, done.stderr[-2000:]
+    (path,) = runs_in(run)
+    logged = read_run(path)
+    assert path.name == f"run-{logged.run_id}.wandb"
+    assert logged.config["train"]["precision"] == "fp16" and logged.config["train"]["epochs"] == 2
+    steps = [row for row in logged.history if "train/loss" in row]
+    # 12 steps an epoch, logged every 3 steps: global steps 3, 6, ..., 24
+    assert [row["global_step"] for row in steps] == list(range(3, 25, 3))
+    for key in ("train/lr", "train/samples_per_s", "train/grad_scale", "train/skipped_steps"):
+        assert key in steps[0], key
+    epochs = [row for row in logged.history if "val_loss" in row]
+    assert [(row["epoch"], row["global_step"]) for row in epochs] == [(1, 12), (2, 24)]
+    best = min(epochs, key=lambda row: row["val_loss"])
+    assert logged.summary["best_val_loss"] == best["val_loss"]
+    assert logged.summary["best_epoch"] == best["epoch"]
+
+
+def test_a_resumed_run_continues_the_same_wandb_run(tmp_path):
+    run = tmp_path / "run"
+    first = train(tmp_path, run, "--signal-rank", "0", "--signal-at-step", "16",
+                  WANDB_MODE="offline")  # fmt: skip
+    assert first.returncode == 3, first.stderr[-2000:]
+    second = train(tmp_path, run, WANDB_MODE="offline")
+    assert second.returncode == 0, second.stderr[-2000:]
+    before, after = (read_run(path) for path in runs_in(run))
+    assert before.run_id == after.run_id
+    assert before.preempting and not after.preempting
+    steps_before = [row["global_step"] for row in before.history]
+    steps_after = [row["global_step"] for row in after.history]
+    assert max(steps_before) <= 17 < min(steps_after) and max(steps_after) == 24
+
+
+def test_only_rank_0_creates_a_run(tmp_path):
+    run = tmp_path / "run"
+    done = train(tmp_path, run, "--nprocs", "2", "--batch-size", "4", WANDB_MODE="offline")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert len(runs_in(run)) == 1
+
+
+def test_auto_mode_follows_wandb_mode_and_the_flag_wins(tmp_path):
+    off = tmp_path / "off"
+    done = train(tmp_path, off)  # no WANDB_MODE: disabled
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not (off / "wandb").exists()
+    flag = tmp_path / "flag"
+    done = train(tmp_path, flag, "--wandb-mode", "offline", WANDB_MODE="disabled")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert len(runs_in(flag)) == 1
+
+
+def test_online_without_credentials_falls_back_to_offline(tmp_path):
+    run = tmp_path / "run"
+    started = time.monotonic()
+    done = train(tmp_path, run, "--wandb-mode", "online")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert time.monotonic() - started < 120
+    lines = [line for line in done.stdout.splitlines() if "wandb could not start online" in line]
+    assert len(lines) == 1 and "logging offline to" in lines[0]
+    assert len(runs_in(run)) == 1
+
+
+def test_online_with_an_unreachable_server_falls_back_and_does_not_hang(tmp_path):
+    run = tmp_path / "run"
+    started = time.monotonic()
+    done = train(
+        tmp_path,
+        run,
+        "--wandb-mode",
+        "online",
+        "--wandb-init-timeout",
+        "15",
+        WANDB_API_KEY="0" * 40,
+        WANDB_BASE_URL="http://127.0.0.1:9",  # nothing listens there
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert time.monotonic() - started < 150
+    assert "wandb could not start online" in done.stdout
+    assert "logging offline to" in done.stdout
+    assert len(runs_in(run)) == 1
+
+
+def test_without_wandb_installed_training_goes_on(tmp_path):
+    """The one stand-in here: a ``wandb`` package that fails to import, as a missing one
+    does (uninstalling the real one would break the other tests)."""
+    fake = tmp_path / "nowandb" / "wandb"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError(\"No module named 'wandb'\")\n")
+    path = os.pathsep.join([str(fake.parent), cli_env()["PYTHONPATH"]])
+    run = tmp_path / "run"
+    done = train(tmp_path, run, WANDB_MODE="offline", PYTHONPATH=path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "wandb is not installed (pip install wandb): tracking is off" in done.stdout
