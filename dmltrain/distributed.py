@@ -13,6 +13,7 @@ unit, then the root; an experiment can name other units by overriding
 import contextlib
 import datetime
 import os
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any
@@ -141,7 +142,15 @@ class Strategy:
         if not (self.info.distributed and lost):
             return None
         here = hostname()
-        gone = [r for r, (host, pid) in enumerate(self.peers) if host == here and not _alive(pid)]
+        # A killed process closes its sockets before it shows as a zombie: give it a moment.
+        deadline = time.monotonic() + 3.0
+        while True:
+            gone = [
+                r for r, (host, pid) in enumerate(self.peers) if host == here and not _alive(pid)
+            ]
+            if gone or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
         first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
         if len(first) > 160:
             first = first[:160] + "..."

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dmltrain.launch import free_port
 from dmltrain.training_log import read_training_log
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,6 +40,33 @@ def run_cli(
         text=True,
         timeout=timeout,
     )
+
+
+def start_ranks(command: list[str], cwd: Path, world_size: int = 2) -> list[subprocess.Popen]:
+    """Start ``world_size`` processes of ``command`` as ranks of one job with no launcher
+    (the variables torchrun would set), each with its own pipes, so a test sees every
+    rank's exit status."""
+    port = str(free_port())
+    procs = []
+    for rank in range(world_size):
+        env = cli_env(
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+        )
+        procs.append(
+            subprocess.Popen(
+                command,
+                env=env,
+                cwd=cwd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    return procs
 
 
 @pytest.fixture

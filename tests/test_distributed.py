@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from conftest import assert_same_run, cli_env, require, run_cli
+from conftest import assert_same_run, cli_env, require, run_cli, start_ranks
 from dmltrain.launch import free_port
 from dmltrain.training_log import read_training_log
 
@@ -159,40 +159,9 @@ def test_killed_rank_under_spawn_is_named_and_the_others_stop(tmp_path):
 
 def test_survivors_exit_on_their_own_when_a_rank_is_killed(tmp_path):
     """No launcher to clean up: rank 0 must notice rank 1's death and exit, naming it."""
-    port = str(free_port())
-    procs = []
-    for rank in (0, 1):
-        env = cli_env(
-            RANK=str(rank),
-            WORLD_SIZE="2",
-            LOCAL_RANK=str(rank),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-        )
-        command = (
-            DMLTRAIN
-            + ARGS
-            + [
-                "--die-rank",
-                "1",
-                "--die-at-step",
-                "3",
-                "--dist-timeout",
-                "60",
-                "--run-dir",
-                str(tmp_path / "run"),
-            ]
-        )
-        procs.append(
-            subprocess.Popen(
-                command,
-                env=env,
-                cwd=tmp_path,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
+    options = ["--die-rank", "1", "--die-at-step", "3", "--dist-timeout", "60"]
+    command = DMLTRAIN + ARGS + options + ["--run-dir", str(tmp_path / "run")]
+    procs = start_ranks(command, tmp_path)
     started = time.monotonic()
     _, err0 = procs[0].communicate(timeout=90)
     procs[1].wait(timeout=30)

@@ -5,17 +5,15 @@ every rank's exit status: all must stop in the same step with the NaN status, no
 hang in the next all-reduce or die of a lost peer.
 """
 
-import subprocess
 import sys
 import time
 
 import pytest
 import torch
 
-from conftest import assert_same_run, cli_env
+from conftest import assert_same_run, start_ranks
 from dmltrain.checkpoint import list_checkpoints, load_file
 from dmltrain.errors import EXIT_NONFINITE
-from dmltrain.launch import free_port
 from dmltrain.nan import nonfinite
 
 ARGS = ["tiny", "--epochs", "2", "--batch-size", "8", "--save-weights", "--progress", "off"]
@@ -24,27 +22,8 @@ ARGS += ["--check-nans", "--checkpoint-every-steps", "2", "--keep-last", "0"]
 
 def two_ranks(run, *extra, timeout=120):
     """Start rank 0 and rank 1 as plain processes; return [(exit status, stderr)] per rank."""
-    port = str(free_port())
-    procs = []
-    for rank in (0, 1):
-        env = cli_env(
-            RANK=str(rank),
-            WORLD_SIZE="2",
-            LOCAL_RANK=str(rank),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-        )
-        command = [sys.executable, "-m", "dmltrain", *ARGS, *extra, "--run-dir", str(run)]
-        procs.append(
-            subprocess.Popen(
-                command,
-                env=env,
-                cwd=run.parent,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
+    command = [sys.executable, "-m", "dmltrain", *ARGS, *extra, "--run-dir", str(run)]
+    procs = start_ranks(command, run.parent)
     started = time.monotonic()
     results = []
     for proc in procs:
