@@ -106,3 +106,14 @@ def test_rollback_from_the_first_steps_uses_the_start_checkpoint(tmp_path):
         assert status == 0, output[-2000:]
     assert "rolled back to" in results[0][1] and "ckpt-000000-00000000.pt" in results[0][1]
     assert "epoch 1 step 1 will be skipped" in results[0][1]
+
+
+def test_detect_anomaly_names_the_backward_op_that_made_the_nan(tmp_path):
+    from conftest import run_cli
+
+    args = ["tiny", "--epochs", "1", "--progress", "off", "--nan-rank", "0", "--nan-at-step", "1"]
+    plain = run_cli(*args, "--run-dir", str(tmp_path / "plain"), cwd=tmp_path)
+    assert plain.returncode == 0  # a NaN loss goes unnoticed without checks
+    done = run_cli(*args, "--detect-anomaly", "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
+    assert done.returncode == 1
+    assert "returned nan values in its 0th output" in done.stderr
