@@ -523,7 +523,10 @@ class BaseTrainer(abc.ABC):
         )
 
     def _write_diagnostics(self, ranks: list[dict[str, Any]]) -> None:
-        code = Path(inspect.getfile(type(self)))
+        try:
+            code = Path(inspect.getfile(type(self)))
+        except (TypeError, OSError):  # defined in a notebook or an interactive session
+            code = Path.cwd()
         info = diagnostics.collect(
             ranks,
             self.dist,
