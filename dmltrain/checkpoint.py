@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dmltrain.errors import UserError
+from dmltrain.errors import UserError, first_line
 
 FORMAT_VERSION = 1
 PREFIX = "ckpt-"
@@ -84,11 +84,6 @@ def is_sharded(path: Path) -> bool:
     return path.is_dir()
 
 
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return (text.splitlines()[0] if text else type(exc).__name__)[:200]
-
-
 def load_file(path: Path) -> dict[str, Any]:
     """Load a checkpoint (weights only); a clear UserError if it is unreadable.
 
@@ -118,7 +113,7 @@ def _load(file: Path, checkpoint: Path) -> dict[str, Any]:
         state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise UserError(
-            f"checkpoint {checkpoint} is truncated or corrupt ({_first_line(exc)})"
+            f"checkpoint {checkpoint} is truncated or corrupt ({first_line(exc)})"
         ) from None
     if not isinstance(state, dict):
         raise UserError(f"{checkpoint} is not a dmltrain checkpoint")
@@ -134,7 +129,7 @@ def sharded_shapes(path: Path, prefix: str = "model.") -> dict[str, tuple[int, .
     try:
         metadata = FileSystemReader(str(path)).read_metadata()
     except Exception as exc:
-        why = _first_line(exc)
+        why = first_line(exc)
         raise UserError(f"checkpoint {path} is incomplete or corrupt ({why})") from None
     needed: dict[str, int] = {}
     for info in metadata.storage_data.values():
@@ -306,7 +301,7 @@ def load_sharded(path: Path, shards: dict[str, Any]) -> None:
     try:
         dcp.load(shards, storage_reader=dcp.FileSystemReader(str(path)))
     except Exception as exc:
-        raise UserError(f"cannot load {path}: {_first_line(exc)}") from None
+        raise UserError(f"cannot load {path}: {first_line(exc)}") from None
 
 
 def consolidate(source: Path, target: Path) -> Path:

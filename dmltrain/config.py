@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 import yaml
 
-from dmltrain.errors import ConfigError
+from dmltrain.errors import ConfigError, first_line
 
 
 def check(ok: bool, message: str) -> None:
@@ -320,8 +320,7 @@ def load_config_file(path: str, classes: list[type]) -> dict[str, Any]:
         text = file.read_text()
         data = json.loads(text) if file.suffix == ".json" else yaml.safe_load(text)
     except (OSError, ValueError, yaml.YAMLError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"config file {path} cannot be parsed: {first}") from None
+        raise ConfigError(f"config file {path} cannot be parsed: {first_line(exc, None)}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

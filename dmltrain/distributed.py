@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset, DistributedSampler, Sampler
 
 from dmltrain.config import DistConfig
-from dmltrain.errors import PeerLost, UserError
+from dmltrain.errors import PeerLost, UserError, first_line
 from dmltrain.launch import DistInfo, default_device, hostname
 
 
@@ -151,7 +151,7 @@ class Strategy:
             if gone or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
-        first = text.strip().splitlines()[0] if text.strip() else type(exc).__name__
+        first = first_line(exc, None)
         if len(first) > 160:
             first = first[:160] + "..."
         who = f"rank {', '.join(map(str, gone))} is gone" if gone else "another rank failed"

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from dmltrain import launch
+from dmltrain.errors import first_line
 
 
 @dataclass
@@ -84,11 +85,10 @@ def all_reduce_check(backend: str, info: launch.DistInfo, required: bool) -> Che
             values = set(results.values())  # every rank must hold the same sum
             got = values.pop() if len(values) == 1 else float("nan")
     except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         return Check(
             f"{backend} all-reduce",
             False,
-            f"{where}: {first[:150]}",
+            f"{where}: {first_line(exc, 150)}",
             "check the network between nodes (MASTER_ADDR reachable, firewall), "
             f"and {'NCCL_DEBUG=INFO' if backend == 'nccl' else 'GLOO_SOCKET_IFNAME'}",
             required,
@@ -191,7 +191,7 @@ def _horovod(required: bool) -> Check:
         return Check(
             "Horovod",
             False,
-            f"not importable ({str(exc).strip().splitlines()[0][:100] if str(exc) else exc!r})",
+            f"not importable ({first_line(exc, 100)})",
             "pip install 'dmltrain[horovod]' (see environment/install_horovod.sh for flags)",
             required,
         )

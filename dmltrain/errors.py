@@ -9,6 +9,14 @@ import traceback
 from collections.abc import Callable
 
 
+def first_line(exc: BaseException, limit: int | None = 200) -> str:
+    """The first line of an exception's message (its type name if it has none), cut to
+    ``limit`` characters: how a wrapped error is quoted in a one-line message."""
+    text = str(exc).strip()
+    line = text.splitlines()[0] if text else type(exc).__name__
+    return line if limit is None else line[:limit]
+
+
 class UserError(Exception):
     """Bad input (flag, config file, data, checkpoint, environment) with a fix in its message."""
 

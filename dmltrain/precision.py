@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from dmltrain.errors import UserError
+from dmltrain.errors import UserError, first_line
 
 DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -38,10 +38,9 @@ def check_available(kind: str, device: torch.device) -> None:
             torch.amp.GradScaler(device.type)
     except Exception as exc:
         other = "bf16 or fp32" if kind == "fp16" else "fp32"
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise UserError(
             f"--precision {kind} is not available on {device.type} with torch "
-            f"{torch.__version__} ({first[:120]}); use --precision {other}"
+            f"{torch.__version__} ({first_line(exc, 120)}); use --precision {other}"
         ) from None
 
 

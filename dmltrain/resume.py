@@ -113,8 +113,7 @@ class Checkpointer:
         choice: str | None = None
         if t.dist.is_main:
             if cfg.resume == "auto":
-                found = load_latest_valid(self.files.directory, t.warn)
-                choice = None if found is None else str(found[0])
+                choice = self._latest()
             elif cfg.resume != "never":
                 choice = cfg.resume
         choice = t.strategy.broadcast_object(choice)
@@ -142,11 +141,7 @@ class Checkpointer:
     def rollback(self) -> Path:
         """Every rank reloads the newest valid checkpoint of this run (after a NaN)."""
         t = self.trainer
-        choice = None
-        if t.dist.is_main:
-            found = load_latest_valid(self.files.directory, t.warn)
-            choice = None if found is None else str(found[0])
-        choice = t.strategy.broadcast_object(choice)
+        choice = t.strategy.broadcast_object(self._latest() if t.dist.is_main else None)
         if choice is None:
             raise UserError(
                 f"--on-nan rollback: no checkpoint in {self.files.directory} to roll back to"
@@ -154,6 +149,12 @@ class Checkpointer:
         path = Path(choice)
         self._load(load_file(path), path, True, True, True, True)
         return path
+
+    def _latest(self) -> str | None:
+        """The newest checkpoint of this run that loads (rank 0 looks; corrupt ones are
+        reported and skipped)."""
+        found = load_latest_valid(self.files.directory, self.trainer.warn)
+        return None if found is None else str(found[0])
 
     def _check_resumable(self, state: dict[str, Any], path: Path) -> None:
         """Batch size, seed and world size fix the data order: they must match. Other

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dmltrain.config import TrackingConfig
+from dmltrain.errors import first_line
 
 
 class Tracker:
@@ -64,7 +65,7 @@ class WandbTracker(Tracker):
             call()
         except Exception as exc:
             self.active = False
-            self.say(f"dmltrain: wandb failed to {what} ({_first_line(exc)}): tracking is off")
+            self.say(f"dmltrain: wandb failed to {what} ({first_line(exc)}): tracking is off")
 
     def log(self, metrics: dict[str, Any], global_step: int) -> None:
         self._safely("log", lambda: self.run.log({**metrics, "global_step": global_step}))
@@ -121,7 +122,7 @@ def create_tracker(
     try:
         return WandbTracker(start(mode), say)
     except Exception as exc:
-        why = _first_line(exc)
+        why = first_line(exc)
         if mode != "online":
             say(f"dmltrain: wandb could not start ({why}): tracking is off")
             return Tracker()
@@ -133,10 +134,5 @@ def create_tracker(
         wandb.teardown()  # a half-started online run would block the next init
         return WandbTracker(start("offline"), say)
     except Exception as exc:
-        say(f"dmltrain: wandb could not start offline either ({_first_line(exc)}): tracking off")
+        say(f"dmltrain: wandb could not start offline either ({first_line(exc)}): tracking off")
         return Tracker()
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return (text.splitlines()[0] if text else type(exc).__name__)[:200]
