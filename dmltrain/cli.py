@@ -62,6 +62,18 @@ def _add_plot(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _submit(args: argparse.Namespace) -> int:
+    from dmltrain import submit
+
+    return submit.submit(args, args.flags, args.check_flags)
+
+
+def _add_submit(parser: argparse.ArgumentParser) -> None:
+    from dmltrain import submit
+
+    submit.add_arguments(parser)
+
+
 # Subcommands that are not experiments: name -> (help, add arguments, run).
 TOOLS: dict[
     str,
@@ -73,6 +85,11 @@ TOOLS: dict[
         _consolidate,
     ),
     "plot": ("draw a run's loss and metric curves into a PNG", _add_plot, _plot),
+    "submit": (
+        "write a Slurm or PBS batch script for an experiment and submit it",
+        _add_submit,
+        _submit,
+    ),
     "doctor": (
         "check this environment (GPUs, backends, Horovod, wandb, a real all-reduce)",
         lambda parser: _doctor().add_arguments(parser),
@@ -240,7 +257,12 @@ def main(argv: Sequence[str] | None = None, experiments: Sequence[Experiment] = 
     known = discover_experiments()
     known.update({experiment.name: experiment for experiment in experiments})
     if argv and argv[0] in TOOLS:
-        namespace = build_parser(known).parse_args(argv)
+        if argv[0] == "submit":  # the flags it does not know are the experiment's
+            namespace, flags = build_parser(known).parse_known_args(argv)
+            namespace.flags = flags
+            namespace.check_flags = lambda flags: parse(flags, known)
+        else:
+            namespace = build_parser(known).parse_args(argv)
         codes = []
         status = run_reporting_errors(lambda: codes.append(TOOLS[argv[0]][2](namespace)), 0, 1)
         return status or (codes[0] if codes else 0)
@@ -251,4 +273,7 @@ def main(argv: Sequence[str] | None = None, experiments: Sequence[Experiment] = 
         print(f"dmltrain: error: {exc}", file=sys.stderr)
         return 2
     trainer.name = experiment.name
-    return run_reporting_errors(trainer.fit, trainer.dist.rank, trainer.dist.world_size)
+    status = run_reporting_errors(trainer.fit, trainer.dist.rank, trainer.dist.world_size)
+    if config.status_file and trainer.dist.rank == 0:
+        Path(config.status_file).write_text(f"{status}\n")
+    return status

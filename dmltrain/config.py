@@ -102,6 +102,13 @@ class DistConfig:
         default=60.0,
         metadata={"help": "seconds a rank waits for the others before giving up"},
     )
+    status_file: str | None = field(
+        default=None,
+        metadata={
+            "help": "rank 0 writes its exit status to this file (torchrun reports every "
+            "worker failure as 1; the batch scripts read the status from here)"
+        },
+    )
 
     def __post_init__(self) -> None:
         check(self.nprocs >= 1, f"--nprocs must be at least 1 (got {self.nprocs})")

@@ -275,7 +275,7 @@ class HorovodStrategy(Strategy):
             ) from None
         hvd.init()
         self.hvd = hvd
-        self.peers = list(hvd.allgather_object((hostname(), os.getpid())))
+        self.peers = list(hvd.allgather_object((hostname(), os.getpid()), name="dmltrain.peers"))
         local_rank = hvd.local_rank()
         self.info = replace(
             self.info,
@@ -330,11 +330,14 @@ class HorovodStrategy(Strategy):
         tensor = torch.tensor(flags, dtype=torch.int32)
         return [bool(v) for v in self.hvd.allreduce(tensor, op=self.hvd.Max).tolist()]
 
+    # Horovod matches collectives across ranks by name, and names an object collective
+    # after the object's type by default: rank 0 broadcasting a float while the others pass
+    # None would wait forever. Fixed names make them match.
     def broadcast_object(self, obj: Any) -> Any:
-        return self.hvd.broadcast_object(obj, root_rank=0)
+        return self.hvd.broadcast_object(obj, root_rank=0, name="dmltrain.broadcast_object")
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        return list(self.hvd.allgather_object(obj))
+        return list(self.hvd.allgather_object(obj, name="dmltrain.all_gather_object"))
 
     def barrier(self) -> None:
         self.hvd.barrier()

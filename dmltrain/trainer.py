@@ -262,6 +262,11 @@ class BaseTrainer(abc.ABC):
     def _fit(self) -> list[dict[str, Any]]:
         self.on_train_start()
         epochs_this_job = 0
+        if self.epoch >= self.config.epochs:  # e.g. a later job of a chain
+            self.progress.info(
+                f"dmltrain: the run has done its {self.config.epochs} epoch(s) already; "
+                "nothing left to train (raise --epochs to go on)"
+            )
         while self.epoch < self.config.epochs:
             epoch = self.epoch
             self.on_epoch_start(epoch)

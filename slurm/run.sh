@@ -51,7 +51,12 @@ srun dmltrain "$@" --no-requeue
 status=$?
 
 # Exit status 3: a checkpoint was saved and there is more to do (a preemption, the time
-# limit coming, or --epochs-per-job).
+# limit coming, or --epochs-per-job). In a chain of jobs (slurm/chain.sh) the next job
+# goes on instead of a requeue.
+if [ "$status" -eq 3 ] && [ "${DMLTRAIN_REQUEUE:-1}" = 0 ]; then
+    echo "dmltrain: checkpoint saved; the next job of the chain goes on"
+    exit 0
+fi
 if [ "$status" -eq 3 ]; then
     echo "dmltrain: checkpoint saved, requeueing job $job"
     scontrol requeue "$job" || echo "dmltrain: requeue failed; resubmit with: sbatch $0 $*"

@@ -1,5 +1,7 @@
-"""slurm/run.sh on a real single-node Slurm cluster: plain runs, preemption with requeue,
-and the --epochs-per-job chain. Each final log and weights equal an uninterrupted run."""
+"""The Slurm scripts on a real single-node Slurm cluster: slurm/run.sh (plain runs,
+preemption with requeue, the --epochs-per-job chain), slurm/torchrun.sh, slurm/horovod.sh
+and slurm/chain.sh; `dmltrain submit slurm`. Each final log and weights equal an
+uninterrupted run."""
 
 import re
 import subprocess
@@ -10,7 +12,8 @@ import pytest
 
 from conftest import ROOT, assert_same_run, cli_env, run_cli
 
-RUN_SH = str(ROOT / "slurm" / "run.sh")
+SLURM = ROOT / "slurm"
+RUN_SH = str(SLURM / "run.sh")
 TINY = [
     "tiny",
     "--epochs",
@@ -25,7 +28,14 @@ TINY = [
 ]
 
 
-def sbatch(cwd: Path, *args: str, options: tuple[str, ...] = ()) -> str:
+def sbatch(
+    cwd: Path,
+    *args: str,
+    options: tuple[str, ...] = (),
+    script: str = RUN_SH,
+    env: dict[str, str] | None = None,
+) -> str:
+    """Submit ``script`` with 2 tasks of 1 CPU (``options`` come later and win)."""
     done = subprocess.run(
         [
             "sbatch",
@@ -39,11 +49,11 @@ def sbatch(cwd: Path, *args: str, options: tuple[str, ...] = ()) -> str:
             "--output",
             str(cwd / "job.out"),
             *options,
-            RUN_SH,
+            script,
             *args,
         ],
         cwd=cwd,
-        env=cli_env(),
+        env=cli_env(**(env or {})),
         capture_output=True,
         text=True,
         timeout=60,
@@ -95,8 +105,99 @@ def reference(tmp_path_factory):
     return run
 
 
-def test_run_sh_passes_shellcheck():
-    subprocess.run(["shellcheck", RUN_SH], check=True)
+def test_batch_and_environment_scripts_pass_shellcheck():
+    scripts = [*SLURM.glob("*.sh"), *SLURM.glob("pbs/*.sh"), *ROOT.glob("environment/*.sh")]
+    scripts += [
+        ROOT / "tests" / "run.sh",
+        ROOT / ".ci" / "run",
+        ROOT / "tests" / "cluster" / "qsub",
+    ]
+    assert len(scripts) >= 10
+    subprocess.run(["shellcheck", *map(str, scripts)], check=True)
+
+
+def test_torchrun_script_requeues_through_torchrun_and_completes(slurm, reference, tmp_path):
+    """One torchrun (c10d rendezvous) starting 2 processes; --epochs-per-job 1 ends each
+    part with status 3, which torchrun turns into 1: the script reads rank 0's real status
+    from --status-file and requeues."""
+    job = sbatch(
+        tmp_path,
+        *TINY,
+        "--epochs-per-job",
+        "1",
+        options=("--ntasks-per-node", "1", "--cpus-per-task", "2"),
+        script=str(SLURM / "torchrun.sh"),
+        env={"DMLTRAIN_NPROC_PER_NODE": "2"},
+    )
+    release_requeues_until_done(job, tmp_path)
+    log = (tmp_path / "job.out").read_text()
+    assert "1 node(s) x 2 process(es), rendezvous" in log
+    assert "launcher torchrun, strategy ddp" in log
+    assert log.count("checkpoint saved, requeueing job") == 2
+    assert_same_run(reference, tmp_path / "runs" / f"tiny-{job}")
+
+
+def test_horovod_script_runs_horovod_over_mpi_through_srun(slurm, reference, tmp_path):
+    """srun --mpi=pmix, Horovod's MPI controller. With a job time limit rank 0 broadcasts
+    the job's end time while the others pass None (this hung before the collectives had
+    fixed names)."""
+    job = sbatch(tmp_path, *TINY, script=str(SLURM / "horovod.sh"))
+    release_requeues_until_done(job, tmp_path, timeout=120)
+    log = (tmp_path / "job.out").read_text()
+    assert "strategy horovod, backend horovod/mpi" in log
+    # Horovod averages gradients in its own order: equal to DDP up to rounding.
+    assert_same_run(reference, tmp_path / "runs" / f"tiny-{job}", rel=1e-4)
+
+
+def test_chain_script_runs_dependent_jobs_in_one_run_directory(slurm, reference, tmp_path):
+    """4 jobs with afterok dependencies, one epoch each: 3 train, the 4th finds the run
+    finished and ends at once."""
+    done = subprocess.run(
+        ["bash", str(SLURM / "chain.sh"), "4", *TINY, "--epochs-per-job", "1"],
+        cwd=tmp_path,
+        env=cli_env(
+            DMLTRAIN_SBATCH="--ntasks-per-node=2 --cpus-per-task=1 --time=10 "
+            f"--output={tmp_path}/chain-%j.out"
+        ),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    jobs = re.findall(r"job \d/4: (\d+)", done.stdout)
+    run = tmp_path / re.search(r"run directory (\S+)", done.stdout).group(1)
+    assert len(jobs) == 4
+    for job in jobs:
+        wait_for(lambda job=job: job_field(job, "JobState") == "COMPLETED", 180, f"job {job}")
+    logs = [(tmp_path / f"chain-{job}.out").read_text() for job in jobs]
+    assert all("the next job of the chain goes on" in log for log in logs[:2])
+    assert "resuming from" in logs[1] and "nothing left to train" in logs[3]
+    assert_same_run(reference, run)
+
+
+def test_submit_slurm_writes_the_script_into_the_run_directory_and_completes(
+    slurm, reference, tmp_path
+):
+    done = run_cli(
+        "submit",
+        "slurm",
+        *TINY,
+        "--tasks-per-node",
+        "2",
+        "--cpus-per-task",
+        "1",
+        "--time",
+        "10",
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    job = re.search(r"submitted job (\d+)", done.stdout).group(1)
+    run = Path(re.search(r"run directory (\S+)", done.stdout).group(1))
+    assert (run / "submit-slurm.sh").is_file()
+    wait_for(lambda: job_field(job, "JobState") == "COMPLETED", 180, f"job {job}")
+    assert "#SBATCH --ntasks-per-node=2" in (run / "submit-slurm.sh").read_text()
+    assert list(run.glob("slurm-*.out"))
+    assert_same_run(reference, run)
 
 
 def test_preempted_job_checkpoints_requeues_resumes_and_completes(slurm, reference, tmp_path):

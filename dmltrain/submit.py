@@ -1,0 +1,222 @@
+"""``dmltrain submit {slurm,pbs} EXPERIMENT [flags]``: write a batch script, then submit it.
+
+The script is a copy of one of the repository's batch scripts (``slurm/*.sh``,
+``slurm/pbs/*.sh``) with the resources asked for written into its ``#SBATCH``/``#PBS``
+lines and the training command filled in. It goes into the run directory, so the run
+directory holds what started it and ``sbatch``/``qsub`` of the same file starts it again
+(it resumes the run's latest checkpoint). ``--dry-run`` writes and prints it only.
+"""
+
+import argparse
+import datetime
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from dmltrain.errors import UserError
+
+SCRIPTS = {
+    "slurm": {"run": "run.sh", "torchrun": "torchrun.sh", "horovod": "horovod.sh"},
+    "pbs": {"derecho": "pbs/derecho.sh", "casper": "pbs/casper.sh"},
+}
+_TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("system", choices=sorted(SCRIPTS), help="the batch system")
+    parser.add_argument("experiment", help="the experiment to run; its flags follow it")
+    resources = parser.add_argument_group("resources (the other flags go to the experiment)")
+    resources.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    resources.add_argument(
+        "--gpus-per-node", type=int, default=0, help="GPUs per node; one process each"
+    )
+    resources.add_argument(
+        "--tasks-per-node",
+        type=int,
+        default=0,
+        help="training processes per node (default: --gpus-per-node, or 1)",
+    )
+    resources.add_argument(
+        "--cpus-per-task", type=int, default=0, help="CPU cores per training process"
+    )
+    resources.add_argument("--time", default="01:00:00", help="time limit, [D-]HH:MM:SS")
+    resources.add_argument("--partition", "--queue", dest="queue", help="partition or queue")
+    resources.add_argument("--account", help="account or project to charge")
+    resources.add_argument("--job-name", help="job name (default: dmltrain-EXPERIMENT)")
+    resources.add_argument(
+        "--script",
+        help="which script: run (srun, default), torchrun or horovod for slurm; "
+        "derecho (mpiexec, default) or casper (torchrun) for pbs",
+    )
+    resources.add_argument(
+        "--env", help="conda env or venv to activate in the job (default: this one, if any)"
+    )
+    resources.add_argument(
+        "--dry-run", action="store_true", help="write and print the script; do not submit"
+    )
+
+
+def scripts_dir() -> Path:
+    """``slurm/`` of this checkout, else the copy installed under ``<prefix>/share``."""
+    for candidate in (
+        Path(__file__).resolve().parent.parent / "slurm",
+        Path(sys.prefix) / "share" / "dmltrain" / "slurm",
+    ):
+        if (candidate / "run.sh").is_file():
+            return candidate
+    raise UserError("the batch script templates are missing: reinstall dmltrain")
+
+
+def current_env() -> str | None:
+    """This Python's venv or conda env, for the job to activate; None for a system Python."""
+    prefix = Path(sys.prefix)
+    if sys.prefix != sys.base_prefix or (prefix / "conda-meta").is_dir():
+        return str(prefix)
+    return None
+
+
+def time_limit_seconds(text: str) -> int:
+    """Slurm's time formats (``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH[:MM[:SS]]``) in seconds."""
+    days, _, rest = text.rpartition("-")
+    parts = [int(p) for p in rest.split(":")]
+    if days:
+        h, m, s = [*parts, 0, 0][:3]  # D-HH, D-HH:MM, D-HH:MM:SS
+    elif len(parts) == 1:
+        h, m, s = 0, parts[0], 0  # MM
+    elif len(parts) == 2:
+        h, m, s = 0, *parts  # MM:SS
+    else:
+        h, m, s = parts
+    return (int(days or 0) * 24 + h) * 3600 + m * 60 + s
+
+
+def _set_directives(text: str, lines_by_key: dict[str, str]) -> str:
+    """Replace the directive line that starts with each key (``#SBATCH --nodes=``,
+    ``#PBS -l walltime=``) by its new line; add the ones not there after the last."""
+    lines = text.splitlines()
+    last = max(i for i, line in enumerate(lines) if line.startswith(("#SBATCH ", "#PBS ")))
+    for key, line in lines_by_key.items():
+        found = [i for i, old in enumerate(lines) if old.startswith(key)]
+        if found:
+            lines[found[0]] = line
+        else:
+            last += 1
+            lines.insert(last, line)
+    return "\n".join(lines) + "\n"
+
+
+def _directives(prefix: str, values: dict[str, str], sep: str) -> dict[str, str]:
+    return {f"{prefix} {key}{sep}": f"{prefix} {key}{sep}{value}" for key, value in values.items()}
+
+
+def _slurm_directives(args: argparse.Namespace, script: str, run_dir: Path) -> dict[str, str]:
+    tasks = args.tasks_per_node or args.gpus_per_node or 1
+    values = {
+        "--job-name": args.job_name or f"dmltrain-{args.experiment}",
+        "--nodes": str(args.nodes),
+        "--ntasks-per-node": "1" if script == "torchrun" else str(tasks),
+        "--time": args.time,
+        "--output": str(run_dir / "slurm-%j.out"),
+    }
+    if args.cpus_per_task:
+        per_task = args.cpus_per_task * (tasks if script == "torchrun" else 1)
+        values["--cpus-per-task"] = str(per_task)
+    if args.gpus_per_node:
+        values["--gpus-per-node"] = str(args.gpus_per_node)
+    if args.queue:
+        values["--partition"] = args.queue
+    if args.account:
+        values["--account"] = args.account
+    return _directives("#SBATCH", values, "=")
+
+
+def _pbs_directives(args: argparse.Namespace, script: str, run_dir: Path) -> dict[str, str]:
+    if script == "casper" and args.nodes != 1:
+        raise UserError("--script casper runs on one node; use --script derecho for --nodes > 1")
+    tasks = args.tasks_per_node or args.gpus_per_node or 1
+    select = f"{args.nodes}:ncpus={max(args.cpus_per_task, 1) * tasks}"
+    if args.gpus_per_node:
+        select += f":ngpus={args.gpus_per_node}"
+    select += f":mpiprocs={tasks}"
+    seconds = time_limit_seconds(args.time)
+    walltime = f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+    values = {
+        "-N": (args.job_name or f"dmltrain-{args.experiment}")[:15],  # PBS: 15 characters
+        "-o": str(run_dir / "pbs.out"),
+    }
+    if args.queue:
+        values["-q"] = args.queue
+    if args.account:
+        values["-A"] = args.account
+    resources = {"-l select": select, "-l walltime": walltime}
+    return _directives("#PBS", values, " ") | _directives("#PBS", resources, "=")
+
+
+def render(args: argparse.Namespace, flags: Sequence[str], run_dir: Path, target: Path) -> str:
+    """The batch script for ``args`` with the training command ``flags`` filled in."""
+    choices = SCRIPTS[args.system]
+    script = args.script or next(iter(choices))
+    if script not in choices:
+        raise UserError(
+            f"--script {script} is not a {args.system} script; choose from {', '.join(choices)}"
+        )
+    if not _TIME.match(args.time):
+        raise UserError(f"--time {args.time!r}: write [D-]HH:MM:SS, e.g. 02:00:00 or 1-00:00:00")
+    for name in ("nodes", "gpus_per_node", "tasks_per_node", "cpus_per_task"):
+        if getattr(args, name) < (1 if name == "nodes" else 0):
+            raise UserError(f"--{name.replace('_', '-')} must not be {getattr(args, name)}")
+    text = (scripts_dir() / choices[script]).read_text()
+    directives = _slurm_directives if args.system == "slurm" else _pbs_directives
+    text = _set_directives(text, directives(args, script, run_dir))
+    command = [args.experiment, *flags, "--run-dir", str(run_dir)]
+    env = args.env if args.env is not None else current_env()
+    filled = [
+        f"# Written by dmltrain submit on {datetime.datetime.now():%Y-%m-%d %H:%M}; submit this "
+        "file again to go on with the run.",
+        f"[ $# -gt 0 ] || set -- {shlex.join(command)}",
+        f"export DMLTRAIN_SCRIPT={shlex.quote(str(target))}",
+    ]
+    if env:
+        filled.append(f"export DMLTRAIN_ENV={shlex.quote(env)}")
+    tasks = args.tasks_per_node or args.gpus_per_node or 1
+    if script in ("torchrun", "casper"):
+        filled.append(f"export DMLTRAIN_NPROC_PER_NODE={tasks}")
+    lines = text.splitlines()
+    at = lines.index("set -uo pipefail")
+    return "\n".join(lines[:at] + filled + lines[at:]) + "\n"
+
+
+def submit(
+    args: argparse.Namespace, flags: Sequence[str], check_flags: Callable[[list[str]], object]
+) -> int:
+    """Write the script into the run directory; submit it unless ``--dry-run``."""
+    check_flags([args.experiment, *flags])  # bad flags fail here, not in the queue
+    given = [f for f in flags if f == "--run-dir" or f.startswith("--run-dir=")]
+    if given:
+        raise UserError("dmltrain submit chooses the run directory; leave out --run-dir")
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    run_dir = (Path("runs") / f"{args.experiment}-{stamp}").resolve()
+    target = run_dir / f"submit-{args.system}.sh"
+    text = render(args, flags, run_dir, target)
+    command = ["sbatch", "--parsable"] if args.system == "slurm" else ["qsub"]
+    if not args.dry_run and shutil.which(command[0]) is None:
+        raise UserError(
+            f"{command[0]} not found: run this on a {args.system} login node, or add --dry-run"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    target.write_text(text)
+    target.chmod(0o755)
+    if args.dry_run:
+        print(text, end="")
+        print(f"dmltrain: wrote {target}; submit it with: {command[0]} {target}")
+        return 0
+    done = subprocess.run([*command, str(target)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise UserError(f"{command[0]} refused the job: {done.stderr.strip() or done.stdout}")
+    job = done.stdout.strip().split(";")[0]
+    print(f"dmltrain: submitted job {job}: {target}; run directory {run_dir}")
+    return 0

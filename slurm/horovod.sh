@@ -1,0 +1,55 @@
+#!/bin/bash
+# Horovod over MPI: srun starts one training process per GPU and wires them into one MPI
+# world through Slurm's PMIx (no mpirun, no ssh between nodes). Usage:
+#
+#   sbatch --nodes=2 --ntasks-per-node=4 --gpus-per-node=4 slurm/horovod.sh mnist --epochs 10
+#   DMLTRAIN_ENV=myenv sbatch slurm/horovod.sh mnist   # conda env name, or a venv path
+#   DMLTRAIN_SRUN_MPI=pmi2 sbatch slurm/horovod.sh mnist   # see: srun --mpi=list
+#
+# Horovod must be built with MPI (environment/create_env.sh does; check with
+# horovodrun --check-build). Without Slurm's MPI plugins, use instead:
+#   horovodrun -np 8 -H node1:4,node2:4 dmltrain mnist --epochs 10
+#
+# Every #SBATCH line below is a default; the same option on the sbatch command line wins.
+#SBATCH --job-name=dmltrain-horovod
+#SBATCH --nodes=1
+# One task (= one training process = one Horovod rank) per GPU.
+#SBATCH --ntasks-per-node=1
+# CPU cores per task: the training process plus its DataLoader workers.
+#SBATCH --cpus-per-task=4
+#SBATCH --time=01:00:00
+# Let Slurm (and this script, after a checkpoint) put the job back in the queue.
+#SBATCH --requeue
+# Keep appending to one log file across requeues instead of truncating it.
+#SBATCH --open-mode=append
+#SBATCH --output=%x-%j.out
+# USR1 to the training processes 5 minutes before the time limit: checkpoint, requeue.
+#SBATCH --signal=USR1@300
+
+set -uo pipefail
+
+if [ -n "${DMLTRAIN_ENV:-}" ]; then
+    if [ -f "$DMLTRAIN_ENV/bin/activate" ]; then
+        # shellcheck disable=SC1091
+        source "$DMLTRAIN_ENV/bin/activate"
+    else
+        eval "$(conda shell.bash hook)" && conda activate "$DMLTRAIN_ENV" || exit 1
+    fi
+fi
+
+job=${SLURM_JOB_ID:?run this script with sbatch}
+if [ -n "${SLURM_ARRAY_JOB_ID:-}" ]; then
+    job="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"  # requeue this task, not the array
+fi
+echo "dmltrain: job $job, restart ${SLURM_RESTART_COUNT:-0}, nodes ${SLURM_JOB_NODELIST:-?}, Horovod over MPI (srun --mpi=${DMLTRAIN_SRUN_MPI:-pmix})"
+
+# --strategy horovod: the ranks come from MPI (Horovod's MPI controller).
+srun --mpi="${DMLTRAIN_SRUN_MPI:-pmix}" dmltrain "$@" --strategy horovod --no-requeue
+status=$?
+
+if [ "$status" -eq 3 ]; then
+    echo "dmltrain: checkpoint saved, requeueing job $job"
+    scontrol requeue "$job" || echo "dmltrain: requeue failed; resubmit with: sbatch $0 $*"
+    exit 0
+fi
+exit "$status"

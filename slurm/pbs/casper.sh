@@ -1,0 +1,74 @@
+#!/bin/bash
+# Single-node training on a PBS Pro machine like NCAR's Casper (nodes with 1 to 8 GPUs):
+# one torchrun on the node starts one training process per GPU. Usage:
+#
+#   qsub -v DMLTRAIN_ARGS="mnist --epochs 10" slurm/pbs/casper.sh
+#   qsub -l select=1:ncpus=16:ngpus=4:mem=128GB -v DMLTRAIN_ARGS="mnist" slurm/pbs/casper.sh
+#   bash slurm/pbs/casper.sh mnist --epochs 10      # inside an interactive job (qsub -I)
+#
+# qsub passes no arguments to a script: the experiment and its flags come in DMLTRAIN_ARGS
+# (split on spaces) unless given as arguments. DMLTRAIN_ENV: conda env name or venv path to
+# activate. DMLTRAIN_NPROC_PER_NODE: training processes (default: the job's GPUs, $NGPUS).
+# `dmltrain submit pbs --machine casper` writes a copy with the flags filled in.
+#
+# Every #PBS line below is a default; the same option on the qsub command line wins.
+#PBS -N dmltrain
+# Your project code (qsub fails without one on NCAR machines): qsub -A PROJECT, or edit.
+# #PBS -A PROJECT
+#PBS -q casper
+# One node: CPU cores, GPUs and memory for the whole job.
+#PBS -l select=1:ncpus=8:ngpus=2:mem=64GB
+#PBS -l walltime=01:00:00
+# stdout and stderr into one log.
+#PBS -j oe
+# Not rerunnable by PBS itself: after a checkpoint this script resubmits the job.
+#PBS -r n
+
+set -uo pipefail
+cd "${PBS_O_WORKDIR:-.}" || exit 1
+if [ $# -eq 0 ]; then
+    read -r -a args <<< "${DMLTRAIN_ARGS:-}"
+    set -- "${args[@]}"
+fi
+[ $# -gt 0 ] || { echo "casper.sh: no experiment: qsub -v DMLTRAIN_ARGS=\"mnist --epochs 10\" $0" >&2; exit 2; }
+
+if [ -n "${DMLTRAIN_ENV:-}" ]; then
+    if [ -f "$DMLTRAIN_ENV/bin/activate" ]; then
+        # shellcheck disable=SC1091
+        source "$DMLTRAIN_ENV/bin/activate"
+    else
+        eval "$(conda shell.bash hook)" && conda activate "$DMLTRAIN_ENV" || exit 1
+    fi
+fi
+
+job=${PBS_JOBID:?run this script inside a PBS job (qsub)}
+nproc=${DMLTRAIN_NPROC_PER_NODE:-${NGPUS:-1}}
+echo "dmltrain: PBS job $job on $(hostname), $nproc process(es) (torchrun --standalone)"
+
+experiment=$1
+shift
+run_dir=${DMLTRAIN_RUN_DIR:-runs/$experiment-${job%%.*}}
+# torchrun reports any worker's failure as exit status 1: rank 0 writes the real status.
+status_file="$run_dir.status"
+mkdir -p "$(dirname "$run_dir")"
+rm -f "$status_file"
+torchrun --standalone --nproc-per-node="$nproc" -m dmltrain "$experiment" \
+    --run-dir "$run_dir" "$@" --status-file "$status_file"
+status=$?
+if [ -s "$status_file" ]; then
+    status=$(cat "$status_file")
+    rm -f "$status_file"
+fi
+
+# Exit status 3: a checkpoint was saved and there is more to do: submit the job again.
+if [ "$status" -eq 3 ]; then
+    script=${DMLTRAIN_SCRIPT:-$PBS_O_WORKDIR/slurm/pbs/casper.sh}
+    if [ "${DMLTRAIN_RESUBMIT:-1}" = 1 ] && command -v qsub >/dev/null; then
+        echo "dmltrain: checkpoint saved; resubmitting $script"
+        qsub -v "DMLTRAIN_RUN_DIR=$run_dir,DMLTRAIN_ENV=${DMLTRAIN_ENV:-},DMLTRAIN_ARGS=$experiment $*" "$script"
+    else
+        echo "dmltrain: checkpoint saved; go on with: qsub -v DMLTRAIN_RUN_DIR=$run_dir,DMLTRAIN_ARGS=\"$experiment $*\" $script"
+    fi
+    exit 0
+fi
+exit "$status"

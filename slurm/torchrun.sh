@@ -1,0 +1,67 @@
+#!/bin/bash
+# Multi-node torchrun: one torchrun per node (started by srun), each starting one training
+# process per GPU; the nodes meet through torchrun's c10d rendezvous on the first node.
+# Usage (any dmltrain flags pass through):
+#
+#   sbatch --nodes=2 --gpus-per-node=4 slurm/torchrun.sh mnist --epochs 10
+#   DMLTRAIN_NPROC_PER_NODE=2 sbatch slurm/torchrun.sh mnist   # CPU nodes: 2 processes each
+#   DMLTRAIN_ENV=myenv sbatch slurm/torchrun.sh mnist    # conda env name, or a venv path
+#
+# Every #SBATCH line below is a default; the same option on the sbatch command line wins.
+#SBATCH --job-name=dmltrain-torchrun
+#SBATCH --nodes=1
+# One task per node: that task is torchrun, which starts the training processes itself.
+#SBATCH --ntasks-per-node=1
+# CPU cores per node for all of its training processes and their DataLoader workers.
+#SBATCH --cpus-per-task=16
+#SBATCH --time=01:00:00
+# Let Slurm (and this script, after a checkpoint) put the job back in the queue.
+#SBATCH --requeue
+# Keep appending to one log file across requeues instead of truncating it.
+#SBATCH --open-mode=append
+#SBATCH --output=%x-%j.out
+# USR1 to the job steps 5 minutes before the time limit (no "B:": to srun's tasks, the
+# torchruns, which pass it on to their workers): dmltrain checkpoints at the next step.
+#SBATCH --signal=USR1@300
+
+set -uo pipefail
+
+if [ -n "${DMLTRAIN_ENV:-}" ]; then
+    if [ -f "$DMLTRAIN_ENV/bin/activate" ]; then
+        # shellcheck disable=SC1091
+        source "$DMLTRAIN_ENV/bin/activate"
+    else
+        eval "$(conda shell.bash hook)" && conda activate "$DMLTRAIN_ENV" || exit 1
+    fi
+fi
+
+job=${SLURM_JOB_ID:?run this script with sbatch}
+if [ -n "${SLURM_ARRAY_JOB_ID:-}" ]; then
+    job="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"  # requeue this task, not the array
+fi
+# Training processes per node: the GPUs Slurm gave each node, else DMLTRAIN_NPROC_PER_NODE.
+nproc=${DMLTRAIN_NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+port=${DMLTRAIN_RDZV_PORT:-29400}
+echo "dmltrain: job $job, restart ${SLURM_RESTART_COUNT:-0}, ${SLURM_JOB_NUM_NODES} node(s) x $nproc process(es), rendezvous $head_node:$port"
+
+# torchrun reports any worker's failure as exit status 1, so rank 0 writes the real
+# status (3: checkpoint saved, requeue) to a file on the shared file system.
+status_file="${SLURM_SUBMIT_DIR:-$PWD}/.dmltrain-status-$job"
+rm -f "$status_file"
+srun --ntasks-per-node=1 torchrun \
+    --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node="$nproc" \
+    --rdzv-backend=c10d --rdzv-endpoint="$head_node:$port" --rdzv-id="$job" \
+    -m dmltrain "$@" --no-requeue --status-file "$status_file"
+status=$?
+if [ -s "$status_file" ]; then
+    status=$(cat "$status_file")
+    rm -f "$status_file"
+fi
+
+if [ "$status" -eq 3 ]; then
+    echo "dmltrain: checkpoint saved, requeueing job $job"
+    scontrol requeue "$job" || echo "dmltrain: requeue failed; resubmit with: sbatch $0 $*"
+    exit 0
+fi
+exit "$status"

@@ -1,0 +1,130 @@
+"""The PBS scripts (slurm/pbs/) and `dmltrain submit pbs`, with PBS faked: no PBS server
+can run here, so tests/cluster/qsub stands in for qsub (it runs the job script at once with
+PBS_JOBID, PBS_O_WORKDIR and a PBS_NODEFILE naming this machine once per rank) and
+OpenMPI's mpiexec stands in for Cray MPICH's. What runs inside is real: mpiexec or torchrun
+starting 2 training processes, checkpoints, resubmission after --epochs-per-job."""
+
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, TESTS, assert_same_run, cli_env, require, run_cli
+
+PBS = ROOT / "slurm" / "pbs"
+TINY = ["tiny", "--epochs", "3", "--batch-size", "8", "--save-weights", "--progress", "log"]
+TINY += ["--log-every", "1"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    run = tmp_path_factory.mktemp("ref") / "run"
+    done = run_cli(*TINY, "--nprocs", "2", "--run-dir", str(run), cwd=run.parent)
+    assert done.returncode == 0, done.stderr
+    return run
+
+
+def pbs_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    require("mpiexec")
+    nodefile = tmp_path / "nodefile"
+    nodefile.write_text(f"{socket.gethostname()}\n" * 2)  # select=1:mpiprocs=2
+    path = f"{TESTS / 'cluster'}{os.pathsep}{os.environ['PATH']}"  # the fake qsub
+    return cli_env(
+        PATH=path,
+        FAKE_PBS_NODEFILE=str(nodefile),
+        FAKE_PBS_COUNTER=str(tmp_path / "counter"),
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+        **extra,
+    )
+
+
+def job_logs(tmp_path: Path) -> list[tuple[str, int]]:
+    """(output, exit status) of each fake PBS job, in submission order."""
+    ids = sorted(int(p.stem.split("-")[1]) for p in tmp_path.glob("pbs-*.status"))
+    return [
+        ((tmp_path / f"pbs-{i}.out").read_text(), int((tmp_path / f"pbs-{i}.status").read_text()))
+        for i in ids
+    ]
+
+
+@pytest.mark.parametrize("script", ["derecho.sh", "casper.sh"])
+def test_pbs_script_resubmits_after_each_part_and_ends_equal(script, reference, tmp_path):
+    """--epochs-per-job 1: three jobs, each submitting the next; the run equals an
+    uninterrupted one."""
+    env = pbs_env(
+        tmp_path,
+        DMLTRAIN_ARGS=" ".join([*TINY, "--epochs-per-job", "1"]),
+        DMLTRAIN_SCRIPT=str(PBS / script),
+        NGPUS="2",  # casper.sh: processes per node from the job's GPUs
+    )
+    done = subprocess.run(
+        ["qsub", str(PBS / script)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    logs = job_logs(tmp_path)
+    assert [status for _, status in logs] == [0, 0, 0], logs[-1][0][-3000:]
+    launcher = "mpi" if script == "derecho.sh" else "torchrun"
+    assert all(f"2 process(es), launcher {launcher}, strategy ddp" in out for out, _ in logs)
+    assert all("checkpoint saved; resubmitting" in out for out, _ in logs[:2])
+    if script == "derecho.sh":
+        assert "dmltrain: NCCL_SOCKET_IFNAME=hsn" in logs[0][0]
+    assert_same_run(reference, tmp_path / "runs" / "tiny-101")
+
+
+def test_pbs_script_without_an_experiment_says_how_to_give_one(tmp_path):
+    env = pbs_env(tmp_path, PBS_JOBID="1.fake", PBS_NODEFILE=str(tmp_path / "nodefile"))
+    done = subprocess.run(
+        ["bash", str(PBS / "derecho.sh")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2
+    assert "no experiment: qsub -v DMLTRAIN_ARGS=" in done.stderr
+
+
+def test_submit_pbs_writes_a_filled_in_script_that_runs_to_completion(reference, tmp_path):
+    env = pbs_env(tmp_path)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dmltrain",
+            "submit",
+            "pbs",
+            *TINY,
+            "--epochs-per-job",
+            "2",
+            "--tasks-per-node",
+            "2",
+            "--time",
+            "1-00:30:00",
+            "--account",
+            "PROJ0001",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    run = Path(re.search(r"run directory (\S+)", done.stdout).group(1))
+    script = (run / "submit-pbs.sh").read_text()
+    assert "#PBS -l select=1:ncpus=2:mpiprocs=2" in script
+    assert "#PBS -l walltime=24:30:00" in script and "#PBS -A PROJ0001" in script
+    logs = job_logs(tmp_path)
+    assert [status for _, status in logs] == [0, 0]  # 2 epochs, then the last one
+    assert f"resubmitting {run / 'submit-pbs.sh'}" in logs[0][0]
+    assert_same_run(reference, run)

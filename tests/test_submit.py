@@ -1,0 +1,122 @@
+"""`dmltrain submit --dry-run`: the scripts it writes, and its errors. (Real submissions:
+tests/test_slurm.py on the local Slurm cluster, tests/test_pbs.py with a stand-in qsub.)"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import cli_env, require, run_cli
+from dmltrain.submit import time_limit_seconds
+
+
+def dry_run(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, str]:
+    done = run_cli("submit", *args, "--dry-run", cwd=tmp_path)
+    scripts = list(tmp_path.glob("runs/*/submit-*.sh"))
+    return done, scripts[0].read_text() if scripts else ""
+
+
+def test_slurm_torchrun_script_has_one_task_per_node_and_the_command(tmp_path):
+    done, script = dry_run(
+        tmp_path,
+        "slurm",
+        "tiny",
+        "--epochs",
+        "7",
+        "--script",
+        "torchrun",
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "4",
+        "--cpus-per-task",
+        "8",
+        "--time",
+        "2:00:00",
+        "--partition",
+        "gpu",
+        "--account",
+        "abc",
+    )
+    assert done.returncode == 0, done.stderr
+    for line in [
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gpus-per-node=4",
+        "#SBATCH --cpus-per-task=32",
+        "#SBATCH --time=2:00:00",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --account=abc",
+        "export DMLTRAIN_NPROC_PER_NODE=4",
+    ]:
+        assert line in script.splitlines(), line
+    run_dir = next(tmp_path.glob("runs/tiny-*"))
+    assert f"set -- tiny --epochs 7 --run-dir {run_dir}" in script
+    assert script in done.stdout  # printed, not submitted
+    assert script.count("#SBATCH --nodes") == 1
+    require("shellcheck")
+    subprocess.run(["shellcheck", str(run_dir / "submit-slurm.sh")], check=True)
+
+
+def test_pbs_derecho_select_line(tmp_path):
+    done, script = dry_run(
+        tmp_path,
+        "pbs",
+        "tiny",
+        "--nodes",
+        "4",
+        "--gpus-per-node",
+        "4",
+        "--cpus-per-task",
+        "16",
+        "--time",
+        "12:00:00",
+        "--queue",
+        "preempt",
+    )
+    assert done.returncode == 0, done.stderr
+    assert "#PBS -l select=4:ncpus=64:ngpus=4:mpiprocs=4" in script.splitlines()
+    assert "#PBS -l walltime=12:00:00" in script.splitlines()
+    assert "#PBS -q preempt" in script.splitlines()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["slurm", "tiny", "--run-dir", "x"], "leave out --run-dir"),
+        (["slurm", "tiny", "--time", "3h"], "--time '3h': write [D-]HH:MM:SS"),
+        (["pbs", "tiny", "--script", "casper", "--nodes", "2"], "casper runs on one node"),
+        (["slurm", "tiny", "--script", "casper"], "--script casper is not a slurm script"),
+        (["slurm", "tiny", "--nodes", "0"], "--nodes must not be 0"),
+        (["slurm", "tiny", "--epochs", "-1"], "--epochs"),
+        (["slurm", "nosuch"], "nosuch"),
+    ],
+)
+def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, message):
+    done, script = dry_run(tmp_path, *args)
+    assert done.returncode == 2
+    assert message in done.stderr and "Traceback" not in done.stderr
+    assert script == ""
+
+
+def test_without_sbatch_it_says_where_to_run(tmp_path):
+    (tmp_path / "bin").mkdir()  # a PATH with no sbatch on it
+    done = subprocess.run(
+        [sys.executable, "-m", "dmltrain", "submit", "slurm", "tiny"],
+        cwd=tmp_path,
+        env=cli_env(PATH=str(tmp_path / "bin")),
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2
+    assert "sbatch not found: run this on a slurm login node, or add --dry-run" in done.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_time_limit_formats():
+    assert time_limit_seconds("30") == 30 * 60
+    assert time_limit_seconds("10:30") == 10 * 60 + 30
+    assert time_limit_seconds("02:00:00") == 2 * 3600
+    assert time_limit_seconds("1-02") == 26 * 3600
+    assert time_limit_seconds("1-00:30:00") == 24 * 3600 + 30 * 60
