@@ -3,6 +3,9 @@
     python benchmarks/checkpoint.py            # ~100M parameters + Adam state (~1.2 GB)
     python benchmarks/checkpoint.py --quick    # ~10M parameters, for a smoke test
 
+The asynchronous save copies the state into the buffers of the previous asynchronous save
+(the first one allocates them): repetitions after the first measure the steady state.
+
 Contenders, interleaved (A B C D, A B C D, ...) and reported as the median of the
 repetitions: the disk's raw write speed (``dd`` with fsync: the physical limit),
 ``torch.save`` of the same state (no fsync, no rename), dmltrain's synchronous save
@@ -11,6 +14,7 @@ copy of the state; the write finishes in a background thread).
 """
 
 import argparse
+import shutil
 import statistics
 import subprocess
 import tempfile
@@ -38,12 +42,12 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a ~10M-parameter model")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     hidden, layers = (1024, 10) if args.quick else (4096, 6)
     state, params = make_state(hidden, layers)
     root = Path(args.dir or tempfile.mkdtemp(prefix="dmltrain-bench-"))
@@ -78,25 +82,28 @@ def main() -> None:
         async_dir.wait()
         async_total.append(time.perf_counter() - started)
     sync = statistics.median(results["sync"])
-    print(
+    lines = [
         f"checkpoint: {params / 1e6:.0f}M parameters + Adam state, {size_mb:.0f} MiB, "
-        f"median of {args.repeats}, interleaved"
-    )
-    print("| what | blocking time (s) | vs dmltrain sync |")
-    print("|---|---|---|")
-    for name in ("dd", "torch.save", "sync", "async"):
+        f"median of {args.repeats}, interleaved",
+        "| what | blocking time (s) | vs dmltrain sync |",
+        "|---|---|---|",
+    ]
+    labels = {
+        "dd": "dd (raw disk write, fsync)",
+        "torch.save": "torch.save (no fsync)",
+        "sync": "dmltrain sync save",
+        "async": "dmltrain async save",
+    }
+    for name, label in labels.items():
         median = statistics.median(results[name])
-        label = {
-            "dd": "dd (raw disk write, fsync)",
-            "torch.save": "torch.save (no fsync)",
-            "sync": "dmltrain sync save",
-            "async": "dmltrain async save",
-        }[name]
-        print(f"| {label} | {median:.3f} | {median / sync:.2f}x |")
-    print(
-        f"| dmltrain async, until on disk | {statistics.median(async_total):.3f} | "
-        f"{statistics.median(async_total) / sync:.2f}x |"
-    )
+        lines.append(f"| {label} | {median:.3f} | {median / sync:.2f}x |")
+    total = statistics.median(async_total)
+    lines.append(f"| dmltrain async, until on disk | {total:.3f} | {total / sync:.2f}x |")
+    shutil.rmtree(root, ignore_errors=True)
+    text = "\n".join(lines)
+    print(text, flush=True)
+    ratio = statistics.median(results["async"]) / sync
+    return {"markdown": text, "ratios": {"checkpoint: async / sync blocking": ratio}}
 
 
 if __name__ == "__main__":

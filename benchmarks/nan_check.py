@@ -1,7 +1,7 @@
 """What ``--check-nans`` costs per training step.
 
     python benchmarks/nan_check.py            # MNIST CNN, batch 64, 150 steps a run, 5 pairs
-    python benchmarks/nan_check.py --quick    # 40 steps a run, 3 pairs (a smoke test)
+    python benchmarks/nan_check.py --quick    # 40 steps a run, 2 pairs (a smoke test)
 
 The MNIST CNN on random MNIST-shaped data held in memory, trained by dmltrain with and
 without ``--check-nans``, alternated (off, on, off, on, ...) in one process; the time of
@@ -74,12 +74,12 @@ def step_time(check: bool, steps: int, device: str, root: Path, rep: int) -> flo
     return trainer.loop_time / steps
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--device", default="cpu")
-    args = parser.parse_args()
-    steps, pairs = (40, 3) if args.quick else (150, 5)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args(argv)
+    steps, pairs = (40, 2) if args.quick else (150, 5)
     root = Path(tempfile.mkdtemp(prefix="dmltrain-nan-bench-"))
     step_time(False, 5, args.device, root, -1)  # warm-up (allocator, kernels)
     times: dict[bool, list[float]] = {False: [], True: []}
@@ -87,12 +87,18 @@ def main() -> None:
         for check in (False, True):
             times[check].append(step_time(check, steps, args.device, root, rep))
     off, on = statistics.median(times[False]), statistics.median(times[True])
-    print(f"nan-check: MNIST CNN, batch 64, {steps} steps a run, median of {pairs}, alternated")
-    print(f"device: {args.device}; torch {torch.__version__}")
-    print("| run | ms per step | vs unchecked |")
-    print("|---|---|---|")
-    print(f"| unchecked | {1000 * off:.2f} | 1.000x |")
-    print(f"| --check-nans | {1000 * on:.2f} | {on / off:.3f}x |")
+    text = "\n".join(
+        [
+            f"nan-check: MNIST CNN, batch 64, {steps} steps a run, median of {pairs}, "
+            f"alternated, device {args.device}",
+            "| run | ms per step | vs unchecked |",
+            "|---|---|---|",
+            f"| unchecked | {1000 * off:.2f} | 1.000x |",
+            f"| --check-nans | {1000 * on:.2f} | {on / off:.3f}x |",
+        ]
+    )
+    print(text, flush=True)
+    return {"markdown": text, "ratios": {"nan-check: on / off": on / off}}
 
 
 if __name__ == "__main__":

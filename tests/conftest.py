@@ -146,3 +146,17 @@ def assert_same_run(run_a: Path, run_b: Path, rel: float = 0.0) -> None:
         assert row_a == pytest.approx(row_b, rel=rel)
     for key in wa:
         torch.testing.assert_close(wa[key], wb[key], rtol=rel, atol=rel)
+
+
+# The tiny experiment's run that the cluster tests (test_slurm, test_pbs) compare with.
+TINY_RUN = ["tiny", "--epochs", "3", "--batch-size", "8", "--save-weights"]
+TINY_RUN += ["--progress", "log", "--log-every", "1"]
+
+
+@pytest.fixture(scope="session")
+def tiny_reference(tmp_path_factory):
+    """TINY_RUN uninterrupted with 2 processes: what each cluster run must end equal to."""
+    run = tmp_path_factory.mktemp("tiny-reference") / "run"
+    done = run_cli(*TINY_RUN, "--nprocs", "2", "--run-dir", str(run), cwd=run.parent)
+    assert done.returncode == 0, done.stderr
+    return run

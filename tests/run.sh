@@ -22,6 +22,8 @@ if [ "$need_apt" = 1 ]; then
 fi
 
 python3 -m pip install --quiet --disable-pip-version-check -e ".[dev]" || exit 1
+# The peers the benchmarks compare with (their quick mode is part of the suite).
+python3 -m pip install --quiet --disable-pip-version-check -r benchmarks/requirements.txt || exit 1
 bash environment/install_horovod.sh || exit 1
 bash tests/cluster/start_local_slurm.sh || exit 1
 
@@ -29,7 +31,7 @@ bash tests/cluster/start_local_slurm.sh || exit 1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export DMLTRAIN_TEST_REQUIRE_ALL=1  # a missing component fails the suite instead of skipping
 
-python3 -m pytest "$@"
+python3 -m pytest --durations=15 "$@"
 status=$?
 if [ "$status" -eq 5 ]; then
     echo "tests/run.sh: pytest collected no tests; that is a failure" >&2

@@ -13,19 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TESTS, assert_same_run, cli_env, require, run_cli
+from conftest import ROOT, TESTS, TINY_RUN, assert_same_run, cli_env, require
 
 PBS = ROOT / "slurm" / "pbs"
-TINY = ["tiny", "--epochs", "3", "--batch-size", "8", "--save-weights", "--progress", "log"]
-TINY += ["--log-every", "1"]
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    run = tmp_path_factory.mktemp("ref") / "run"
-    done = run_cli(*TINY, "--nprocs", "2", "--run-dir", str(run), cwd=run.parent)
-    assert done.returncode == 0, done.stderr
-    return run
+TINY = TINY_RUN
 
 
 def pbs_env(tmp_path: Path, **extra: str) -> dict[str, str]:
@@ -53,7 +44,7 @@ def job_logs(tmp_path: Path) -> list[tuple[str, int]]:
 
 
 @pytest.mark.parametrize("script", ["derecho.sh", "casper.sh"])
-def test_pbs_script_resubmits_after_each_part_and_ends_equal(script, reference, tmp_path):
+def test_pbs_script_resubmits_after_each_part_and_ends_equal(script, tiny_reference, tmp_path):
     """--epochs-per-job 1: three jobs, each submitting the next; the run equals an
     uninterrupted one."""
     env = pbs_env(
@@ -78,7 +69,7 @@ def test_pbs_script_resubmits_after_each_part_and_ends_equal(script, reference, 
     assert all("checkpoint saved; resubmitting" in out for out, _ in logs[:2])
     if script == "derecho.sh":
         assert "dmltrain: NCCL_SOCKET_IFNAME=hsn" in logs[0][0]
-    assert_same_run(reference, tmp_path / "runs" / "tiny-101")
+    assert_same_run(tiny_reference, tmp_path / "runs" / "tiny-101")
 
 
 def test_pbs_script_without_an_experiment_says_how_to_give_one(tmp_path):
@@ -94,7 +85,7 @@ def test_pbs_script_without_an_experiment_says_how_to_give_one(tmp_path):
     assert "no experiment: qsub -v DMLTRAIN_ARGS=" in done.stderr
 
 
-def test_submit_pbs_writes_a_filled_in_script_that_runs_to_completion(reference, tmp_path):
+def test_submit_pbs_writes_a_filled_in_script_that_runs_to_completion(tiny_reference, tmp_path):
     env = pbs_env(tmp_path)
     done = subprocess.run(
         [
@@ -127,4 +118,4 @@ def test_submit_pbs_writes_a_filled_in_script_that_runs_to_completion(reference,
     logs = job_logs(tmp_path)
     assert [status for _, status in logs] == [0, 0]  # 2 epochs, then the last one
     assert f"resubmitting {run / 'submit-pbs.sh'}" in logs[0][0]
-    assert_same_run(reference, run)
+    assert_same_run(tiny_reference, run)

@@ -8,24 +8,11 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
-
-from conftest import ROOT, assert_same_run, cli_env, run_cli
+from conftest import ROOT, TINY_RUN, assert_same_run, cli_env, run_cli
 
 SLURM = ROOT / "slurm"
 RUN_SH = str(SLURM / "run.sh")
-TINY = [
-    "tiny",
-    "--epochs",
-    "3",
-    "--batch-size",
-    "8",
-    "--save-weights",
-    "--progress",
-    "log",
-    "--log-every",
-    "1",
-]
+TINY = TINY_RUN
 
 
 def sbatch(
@@ -97,14 +84,6 @@ def release_requeues_until_done(job: str, cwd: Path, timeout: float = 300) -> No
     raise AssertionError(f"job {job} ended {job_field(job, 'JobState')}:\n{log[-3000:]}")
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    run = tmp_path_factory.mktemp("ref") / "run"
-    done = run_cli(*TINY, "--nprocs", "2", "--run-dir", str(run), cwd=run.parent)
-    assert done.returncode == 0, done.stderr
-    return run
-
-
 def test_batch_and_environment_scripts_pass_shellcheck():
     scripts = [*SLURM.glob("*.sh"), *SLURM.glob("pbs/*.sh"), *ROOT.glob("environment/*.sh")]
     scripts += [
@@ -116,7 +95,7 @@ def test_batch_and_environment_scripts_pass_shellcheck():
     subprocess.run(["shellcheck", *map(str, scripts)], check=True)
 
 
-def test_torchrun_script_requeues_through_torchrun_and_completes(slurm, reference, tmp_path):
+def test_torchrun_script_requeues_through_torchrun_and_completes(slurm, tiny_reference, tmp_path):
     """One torchrun (c10d rendezvous) starting 2 processes; --epochs-per-job 1 ends each
     part with status 3, which torchrun turns into 1: the script reads rank 0's real status
     from --status-file and requeues."""
@@ -134,10 +113,10 @@ def test_torchrun_script_requeues_through_torchrun_and_completes(slurm, referenc
     assert "1 node(s) x 2 process(es), rendezvous" in log
     assert "launcher torchrun, strategy ddp" in log
     assert log.count("checkpoint saved, requeueing job") == 2
-    assert_same_run(reference, tmp_path / "runs" / f"tiny-{job}")
+    assert_same_run(tiny_reference, tmp_path / "runs" / f"tiny-{job}")
 
 
-def test_horovod_script_runs_horovod_over_mpi_through_srun(slurm, reference, tmp_path):
+def test_horovod_script_runs_horovod_over_mpi_through_srun(slurm, tiny_reference, tmp_path):
     """srun --mpi=pmix, Horovod's MPI controller. With a job time limit rank 0 broadcasts
     the job's end time while the others pass None (this hung before the collectives had
     fixed names)."""
@@ -146,10 +125,10 @@ def test_horovod_script_runs_horovod_over_mpi_through_srun(slurm, reference, tmp
     log = (tmp_path / "job.out").read_text()
     assert "strategy horovod, backend horovod/mpi" in log
     # Horovod averages gradients in its own order: equal to DDP up to rounding.
-    assert_same_run(reference, tmp_path / "runs" / f"tiny-{job}", rel=1e-4)
+    assert_same_run(tiny_reference, tmp_path / "runs" / f"tiny-{job}", rel=1e-4)
 
 
-def test_chain_script_runs_dependent_jobs_in_one_run_directory(slurm, reference, tmp_path):
+def test_chain_script_runs_dependent_jobs_in_one_run_directory(slurm, tiny_reference, tmp_path):
     """4 jobs with afterok dependencies, one epoch each: 3 train, the 4th finds the run
     finished and ends at once."""
     done = subprocess.run(
@@ -172,11 +151,11 @@ def test_chain_script_runs_dependent_jobs_in_one_run_directory(slurm, reference,
     logs = [(tmp_path / f"chain-{job}.out").read_text() for job in jobs]
     assert all("the next job of the chain goes on" in log for log in logs[:2])
     assert "resuming from" in logs[1] and "nothing left to train" in logs[3]
-    assert_same_run(reference, run)
+    assert_same_run(tiny_reference, run)
 
 
 def test_submit_slurm_writes_the_script_into_the_run_directory_and_completes(
-    slurm, reference, tmp_path
+    slurm, tiny_reference, tmp_path
 ):
     done = run_cli(
         "submit",
@@ -197,10 +176,10 @@ def test_submit_slurm_writes_the_script_into_the_run_directory_and_completes(
     wait_for(lambda: job_field(job, "JobState") == "COMPLETED", 180, f"job {job}")
     assert "#SBATCH --ntasks-per-node=2" in (run / "submit-slurm.sh").read_text()
     assert list(run.glob("slurm-*.out"))
-    assert_same_run(reference, run)
+    assert_same_run(tiny_reference, run)
 
 
-def test_preempted_job_checkpoints_requeues_resumes_and_completes(slurm, reference, tmp_path):
+def test_preempted_job_checkpoints_requeues_resumes_and_completes(slurm, tiny_reference, tmp_path):
     job = sbatch(tmp_path, *TINY, "--step-sleep", "0.4")
     run = tmp_path / "runs" / f"tiny-{job}"  # the default run directory, found again
     out = tmp_path / "job.out"
@@ -211,10 +190,10 @@ def test_preempted_job_checkpoints_requeues_resumes_and_completes(slurm, referen
     assert "preempted (SIGUSR1)" in log and "checkpoint saved, requeueing job" in log
     assert "dmltrain: resuming from" in log and "restart 1" in log
     assert job_field(job, "Restarts") == "1"
-    assert_same_run(reference, run)
+    assert_same_run(tiny_reference, run)
 
 
-def test_preempted_array_task_requeues_itself_not_the_array(slurm, reference, tmp_path):
+def test_preempted_array_task_requeues_itself_not_the_array(slurm, tiny_reference, tmp_path):
     """Two array tasks (one at a time on this 2-CPU node); task 1 is preempted. Only task 1
     may be requeued: requeueing the array id would rerun the finished task 0 too."""
     array = sbatch(
@@ -234,19 +213,19 @@ def test_preempted_array_task_requeues_itself_not_the_array(slurm, reference, tm
     assert job_field(f"{array}_0", "Restarts") == "0"
     assert "resuming from" not in (tmp_path / "job-0.out").read_text()
     for task in (0, 1):
-        assert_same_run(reference, tmp_path / "runs" / f"tiny-{array}_{task}")
+        assert_same_run(tiny_reference, tmp_path / "runs" / f"tiny-{array}_{task}")
 
 
-def test_epochs_per_job_chain_through_requeue(slurm, reference, tmp_path):
+def test_epochs_per_job_chain_through_requeue(slurm, tiny_reference, tmp_path):
     job = sbatch(tmp_path, *TINY, "--epochs-per-job", "1")
     release_requeues_until_done(job, tmp_path)
     log = (tmp_path / "job.out").read_text()
     assert log.count("checkpoint saved, requeueing job") == 2
     assert job_field(job, "Restarts") == "2"
-    assert_same_run(reference, tmp_path / "runs" / f"tiny-{job}")
+    assert_same_run(tiny_reference, tmp_path / "runs" / f"tiny-{job}")
 
 
-def test_time_limit_stops_the_job_in_time_and_it_resumes(slurm, reference, tmp_path):
+def test_time_limit_stops_the_job_in_time_and_it_resumes(slurm, tiny_reference, tmp_path):
     """No signal at all: dmltrain reads the job's end time from Slurm and stops
     --stop-before-end-minutes before it: here 168 s of a 3-minute job, so a run stops about
     12 s after it starts, while training alone needs 18 s. USR1 would come only a second
@@ -264,4 +243,4 @@ def test_time_limit_stops_the_job_in_time_and_it_resumes(slurm, reference, tmp_p
     log = (tmp_path / "job.out").read_text()
     assert "preempted (time limit)" in log and "checkpoint saved, requeueing job" in log
     assert int(job_field(job, "Restarts")) >= 1
-    assert_same_run(reference, tmp_path / "runs" / f"tiny-{job}")
+    assert_same_run(tiny_reference, tmp_path / "runs" / f"tiny-{job}")

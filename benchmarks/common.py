@@ -1,0 +1,130 @@
+"""What the benchmarks share: the models, in-memory data, the step clock, peak memory,
+and running contenders interleaved in fresh processes."""
+
+import itertools
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def make_model(name: str) -> nn.Module:
+    """``tiny``: a linear layer (7,850 parameters: a step is almost nothing but the
+    framework's own work, so it shows that work in microseconds); ``cnn``: dmltrain's
+    MNIST CNN (1.2M parameters); ``mlp``: a 784-4096-4096-4096-10 MLP (37M parameters)."""
+    if name == "tiny":
+        return nn.Sequential(nn.Flatten(), nn.Linear(784, 10))
+    if name == "cnn":
+        from experiments.mnist import Net
+
+        return Net()
+    if name == "mlp":
+        widths = [784, 4096, 4096, 4096]
+        layers: list[nn.Module] = [nn.Flatten()]
+        for a, b in itertools.pairwise(widths):
+            layers += [nn.Linear(a, b), nn.ReLU()]
+        return nn.Sequential(*layers, nn.Linear(widths[-1], 10))
+    raise ValueError(name)
+
+
+def make_data(samples: int, seed: int = 0) -> TensorDataset:
+    """MNIST-shaped random images and labels, held in memory."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(samples, 1, 28, 28, generator=g)
+    return TensorDataset(x, torch.randint(0, 10, (samples,), generator=g))
+
+
+class Clocked(nn.Module):
+    """Wraps a model; times training steps by the forward calls it sees, so the same clock
+    runs inside every framework: between the starts of two consecutive training forwards
+    lies exactly one whole step (data, forward, backward, optimizer, the framework's own
+    work). Steps ``warmup`` to ``warmup + steps`` are timed.
+
+    On the CPU each step is timed and ``step_time`` is their median (robust to the
+    interference of other processes on a shared machine); on a GPU a per-step sync would
+    change what is measured, so ``step_time`` is the window's mean, synced at its ends."""
+
+    def __init__(self, model: nn.Module, warmup: int, steps: int, device: str) -> None:
+        super().__init__()
+        self.model, self.warmup, self.steps = model, warmup, steps
+        self.cuda = device.startswith("cuda")
+        self.calls = 0
+        self.stamps: list[float] = []
+        self.first_step_wall = 0.0  # time.time() when the 2nd forward starts (1 step done)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            if self.calls == 1:
+                self.first_step_wall = time.time()
+            if self.warmup <= self.calls <= self.warmup + self.steps:
+                ends = self.calls in (self.warmup, self.warmup + self.steps)
+                if self.cuda and ends:
+                    torch.cuda.synchronize()
+                if ends or not self.cuda:
+                    self.stamps.append(time.perf_counter())
+            self.calls += 1
+        return self.model(x)
+
+    @property
+    def step_time(self) -> float:
+        if self.calls <= self.warmup + self.steps:
+            raise RuntimeError(f"only {self.calls} training forwards; the clock needs more")
+        if self.cuda:
+            return (self.stamps[-1] - self.stamps[0]) / self.steps
+        return statistics.median(b - a for a, b in itertools.pairwise(self.stamps))
+
+
+def peak_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def run_worker(script: Path, args: Sequence[str], env: dict[str, str] | None = None) -> dict:
+    """Run ``python script --worker ...`` in a fresh process; its last line is JSON."""
+    done = subprocess.run(
+        [sys.executable, str(script), *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        cwd=ROOT,
+        timeout=900,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{script.name} {' '.join(args)} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def interleaved(
+    names: Sequence[str], repeats: int, measure: Callable[[str], dict]
+) -> dict[str, list[dict]]:
+    """``measure`` each name in turn, ``repeats`` rounds (A B C, A B C, ...)."""
+    results: dict[str, list[dict]] = {name: [] for name in names}
+    for _ in range(repeats):
+        for name in names:
+            results[name].append(measure(name))
+    return results
+
+
+def median(rows: list[dict], key: str) -> float:
+    return statistics.median(row[key] for row in rows)
+
+
+def machine() -> str:
+    import platform
+
+    cpus = os.cpu_count()
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (
+        f"{cpus} CPU cores, {gpu}, Python {platform.python_version()}, "
+        f"torch {torch.__version__}, {platform.platform(terse=True)}"
+    )

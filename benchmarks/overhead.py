@@ -1,0 +1,315 @@
+"""Per-step overhead: the same training run by a plain loop, dmltrain and its peers.
+
+    python benchmarks/overhead.py                 # MNIST CNN and the 37M MLP, full mode
+    python benchmarks/overhead.py --quick         # fewer steps and repetitions
+
+Every contender trains the same model (same seed) on the same in-memory data (random
+MNIST-shaped tensors, DataLoader with batch 64, shuffled, no workers) with Adam (lr 1e-3),
+fp32, one process, on the device given. Nothing is logged, no progress bar, no checkpoint
+inside the timed window, no validation: dmltrain ``--progress off``, wandb disabled
+(it checkpoints at the end of the epoch, after the window); Lightning with logger,
+progress bar, model summary and checkpointing off. Each contender runs in a fresh process,
+interleaved (a b c d e f, a b c d e f, ...); the time per step is taken by the same clock
+inside each (``common.Clocked``: forward calls ``warmup`` to ``warmup + steps``).
+Reported: the median time per step, its ratio to the plain loop, and peak RSS of the
+process (peak CUDA memory on a GPU). A peer that is not installed is reported as such.
+"""
+
+import argparse
+import contextlib
+import io
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import (
+    Clocked,
+    interleaved,
+    make_data,
+    make_model,
+    median,
+    peak_rss_mib,
+    run_worker,
+)
+
+CONTENDERS = ["plain", "dmltrain", "lightning", "fabric", "accelerate", "dmlcloud"]
+PEERS = {
+    "lightning": "lightning",
+    "fabric": "lightning",
+    "accelerate": "accelerate",
+    "dmlcloud": "dmlcloud",
+}
+LR = 1e-3
+
+
+def setup(args: argparse.Namespace) -> tuple[Clocked, DataLoader]:
+    torch.manual_seed(0)
+    model = Clocked(make_model(args.model), args.warmup, args.steps, args.device)
+    data = make_data((args.warmup + args.steps + 2) * args.batch)
+    g = torch.Generator().manual_seed(0)
+    return model, DataLoader(data, batch_size=args.batch, shuffle=True, generator=g)
+
+
+def train_plain(args: argparse.Namespace) -> Clocked:
+    model, loader = setup(args)
+    model.to(args.device).train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    device_type = torch.device(args.device).type
+    bf16 = args.precision == "bf16"
+    for x, y in loader:
+        x, y = x.to(args.device, non_blocking=True), y.to(args.device, non_blocking=True)
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        optimizer.step()
+    return model
+
+
+def train_dmltrain(args: argparse.Namespace) -> Clocked:
+    from dmltrain import BaseTrainer, TrainConfig
+    from dmltrain.launch import detect
+
+    model, loader = setup(args)
+
+    class Bench(BaseTrainer):
+        name = "bench"
+
+        def create_model(self):
+            return model
+
+        def create_datasets(self):
+            return loader.dataset, None
+
+        def train_step(self, batch):
+            x, y = batch
+            return F.cross_entropy(self.model(x), y)
+
+    config = TrainConfig(
+        epochs=1,
+        batch_size=args.batch,
+        lr=LR,
+        precision=args.precision,
+        progress="off",
+        wandb_mode="disabled",
+        run_dir=args.run_dir,
+        resume="never",
+    )
+    dist = detect("single", 1)
+    if args.device != "cpu":
+        from dataclasses import replace
+
+        dist = replace(dist, device=args.device)
+    with contextlib.redirect_stdout(io.StringIO()):
+        Bench(config, dist=dist).fit()
+    return model
+
+
+def train_lightning(args: argparse.Namespace) -> Clocked:
+    import lightning as L
+
+    model, loader = setup(args)
+
+    class Module(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = model
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return F.cross_entropy(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=LR)
+
+    trainer = L.Trainer(
+        accelerator="gpu" if args.device.startswith("cuda") else "cpu",
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(Module(), loader)
+    return model
+
+
+def train_fabric(args: argparse.Namespace) -> Clocked:
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="gpu" if args.device.startswith("cuda") else "cpu", devices=1)
+    model, loader = setup(args)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    wrapped, optimizer = fabric.setup(model, optimizer)
+    loader = fabric.setup_dataloaders(loader)
+    wrapped.train()
+    for x, y in loader:
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(wrapped(x), y)
+        fabric.backward(loss)
+        optimizer.step()
+    return model
+
+
+def train_accelerate(args: argparse.Namespace) -> Clocked:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=args.device == "cpu")
+    model, loader = setup(args)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    wrapped, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    wrapped.train()
+    for x, y in loader:
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(wrapped(x), y)
+        accelerator.backward(loss)
+        optimizer.step()
+    return model
+
+
+def train_dmlcloud(args: argparse.Namespace) -> Clocked:
+    import dmlcloud as dml
+
+    model, loader = setup(args)
+    dml.init(kind="dummy")
+
+    class Train(dml.Stage):
+        def pre_stage(self):
+            self.model = model.to(self.device)
+            self.optimizer = torch.optim.Adam(self.model.parameters(), lr=LR)
+
+        def run_epoch(self):
+            self.model.train()
+            for x, y in loader:
+                x, y = x.to(self.device), y.to(self.device)
+                self.optimizer.zero_grad(set_to_none=True)
+                loss = F.cross_entropy(self.model(x), y)
+                loss.backward()
+                self.optimizer.step()
+
+    pipe = dml.Pipeline(name="bench")
+    pipe.append(Train(epochs=1))
+    with contextlib.redirect_stdout(io.StringIO()):
+        pipe.run()
+    return model
+
+
+def worker(args: argparse.Namespace) -> None:
+    if args.device.startswith("cuda"):
+        torch.cuda.reset_peak_memory_stats()
+    model = globals()[f"train_{args.worker}"](args)
+    out = {
+        "step_time": model.step_time,
+        "first_step_wall": model.first_step_wall,
+        "peak_rss_mib": peak_rss_mib(),
+        "peak_cuda_mib": (
+            torch.cuda.max_memory_allocated() / 2**20 if args.device.startswith("cuda") else 0.0
+        ),
+    }
+    print(json.dumps(out))
+
+
+def available(name: str) -> bool:
+    import importlib.util
+
+    return name not in PEERS or importlib.util.find_spec(PEERS[name]) is not None
+
+
+def worker_args(name: str, model: str, warmup: int, steps: int, device: str, run_dir: str):
+    return [
+        "--worker", name, "--model", model, "--warmup", str(warmup), "--steps", str(steps),
+        "--device", device, "--batch", "64", "--run-dir", run_dir,
+    ]  # fmt: skip
+
+
+def measure(model: str, steps: int, warmup: int, repeats: int, device: str) -> dict:
+    """{contender: {"step_ms", "ratio", "rss", "cuda"}} for one model, interleaved."""
+    import tempfile
+
+    names = [n for n in CONTENDERS if available(n)]
+    tmp = tempfile.mkdtemp(prefix="dmltrain-overhead-")
+    script = Path(__file__)
+    runs = itertools.count()
+    results = interleaved(
+        names,
+        repeats,
+        lambda n: run_worker(
+            script, worker_args(n, model, warmup, steps, device, f"{tmp}/{n}-{next(runs)}")
+        ),
+    )
+    plain = median(results["plain"], "step_time")
+    table = {}
+    for name in CONTENDERS:
+        if name not in results:
+            table[name] = None
+            continue
+        step = median(results[name], "step_time")
+        table[name] = {
+            "step_ms": 1000 * step,
+            "ratio": step / plain,
+            "rss": median(results[name], "peak_rss_mib"),
+            "cuda": median(results[name], "peak_cuda_mib"),
+        }
+    return table
+
+
+def markdown(model: str, table: dict, steps: int, repeats: int, device: str) -> str:
+    cuda = device != "cpu"
+    plain_ms = table["plain"]["step_ms"]
+    lines = [
+        f"overhead: {model}, batch 64, {steps} timed steps a run, median of {repeats}, "
+        f"interleaved, device {device}",
+        "| contender | ms per step | vs plain loop | extra us per step | peak RSS (MiB) |"
+        + (" peak CUDA (MiB) |" if cuda else ""),
+        "|---|---|---|---|---|" + ("---|" if cuda else ""),
+    ]
+    for name, row in table.items():
+        if row is None:
+            lines.append(f"| {name} | not installed | | | |" + (" |" if cuda else ""))
+            continue
+        extra = 1000 * (row["step_ms"] - plain_ms)
+        lines.append(
+            f"| {name} | {row['step_ms']:.3f} | {row['ratio']:.3f}x | {extra:+.0f} | "
+            f"{row['rss']:.0f} |" + (f" {row['cuda']:.0f} |" if cuda else "")
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--model", default="cnn", help=argparse.SUPPRESS)
+    parser.add_argument("--warmup", type=int, default=10, help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=100, help=argparse.SUPPRESS)
+    parser.add_argument("--batch", type=int, default=64, help=argparse.SUPPRESS)
+    parser.add_argument("--run-dir", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return {}
+    repeats = 1 if args.quick else 4
+    plan = {"tiny": (300, 20), "cnn": (60, 10), "mlp": (20, 3)}
+    if args.quick:
+        plan = {"tiny": (150, 10), "cnn": (30, 5)}
+    texts, ratios = [], {}
+    for model, (steps, warmup) in plan.items():
+        table = measure(model, steps, warmup, repeats, args.device)
+        texts.append(markdown(model, table, steps, repeats, args.device))
+        print(texts[-1] + "\n", flush=True)
+        ratios.update({f"{model}: {k}": v["ratio"] for k, v in table.items() if v})
+    return {"markdown": "\n\n".join(texts), "ratios": ratios, "device": args.device}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""Run every benchmark and write RESULTS.md and results.png.
+
+    python -m benchmarks.run            # full mode (about 20 minutes on 2 CPU cores)
+    python -m benchmarks.run --quick    # quick mode (minutes; CI runs it as a smoke test)
+    python -m benchmarks.run --quick --out /tmp/bench --only overhead,startup
+
+RESULTS.md: the machine, versions and date, the targets with what was measured, each
+benchmark's table, and the hand-written findings (benchmarks/findings.md: what was slow,
+why, and the numbers before and after the fix). results.png: every ratio as a bar.
+"""
+
+import argparse
+import datetime
+import importlib
+import importlib.metadata
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+from benchmarks.common import machine  # noqa: E402
+
+BENCHMARKS = ["overhead", "startup", "checkpoint", "scaling", "nan_check"]
+
+
+def versions() -> str:
+    names = ["dmltrain", "torch", "lightning", "accelerate", "dmlcloud"]
+    found = []
+    for name in names:
+        try:
+            found.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            found.append(f"{name} not installed")
+    return ", ".join(found)
+
+
+def targets(reports: dict) -> list[tuple[str, str, str, bool]]:
+    """(target, measured, goal, met) for each target this run measured."""
+    rows = []
+    over = reports.get("overhead", {}).get("ratios", {})
+    if "cnn: dmltrain" in over:
+        ratio = over["cnn: dmltrain"]
+        goal = 1.03 if "cuda" in str(reports["overhead"].get("device")) else 1.01
+        rows.append(("MNIST CNN step time vs plain loop", f"{ratio:.3f}x", f"<= {goal}x",
+                     ratio <= goal))  # fmt: skip
+        peers = {k.split(": ")[1]: v for k, v in over.items() if k.startswith("cnn: ")}
+        peers = {k: v for k, v in peers.items() if k not in ("plain", "dmltrain")}
+        if peers:
+            worst = min(peers, key=lambda k: peers[k])
+            rows.append(("MNIST CNN: below every peer", f"{ratio:.3f}x vs {worst} "
+                         f"{peers[worst]:.3f}x", "lower", ratio < peers[worst]))  # fmt: skip
+    extra = reports.get("startup", {}).get("seconds_over_torch", {})
+    for name in ("import dmltrain", "dmltrain --help"):
+        if name in extra:
+            rows.append((f"`{name}` over `import torch`", f"{extra[name]:+.2f} s", "<= 0.3 s",
+                         extra[name] <= 0.3))  # fmt: skip
+    start = reports.get("startup", {}).get("ratios", {})
+    if "first step dmltrain / plain" in start:
+        r = start["first step dmltrain / plain"]
+        rows.append(("time to first step vs plain loop", f"{r:.2f}x", "<= 1.2x", r <= 1.2))
+    ck = reports.get("checkpoint", {}).get("ratios", {})
+    if ck:
+        r = ck["checkpoint: async / sync blocking"]
+        rows.append(("async checkpoint blocking vs sync save", f"{r:.2f}x", "<= 0.10x", r <= 0.1))
+    nan = reports.get("nan_check", {}).get("ratios", {})
+    if nan:
+        r = nan["nan-check: on / off"]
+        rows.append(("step time with --check-nans", f"{r:.3f}x", "<= 1.02x", r <= 1.02))
+    sc = reports.get("scaling", {}).get("ratios", {})
+    if sc:
+        r = sc["dmltrain: 2 processes / 1 (samples/s)"]
+        p = sc["plain: 2 processes / 1 (samples/s)"]
+        rows.append(("2 processes vs 1 (samples/s)", f"{r:.2f}x (hand-written DDP: {p:.2f}x)",
+                     ">= 1.7x", r >= 1.7))  # fmt: skip
+    return rows
+
+
+def plot(reports: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ratios = {k: v for r in reports.values() for k, v in r.get("ratios", {}).items()}
+    labels = list(ratios)
+    fig, ax = plt.subplots(figsize=(9, 0.32 * len(labels) + 1.2))
+    ax.barh(range(len(labels)), [ratios[k] for k in labels], color="#4c72b0")
+    ax.set_yticks(range(len(labels)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_xlabel("ratio (see RESULTS.md for what each is relative to)")
+    ax.set_title("dmltrain benchmarks")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a smoke test: one repetition")
+    parser.add_argument("--out", default=str(HERE), help="where RESULTS.md and results.png go")
+    parser.add_argument("--only", help=f"comma-separated subset of {','.join(BENCHMARKS)}")
+    args = parser.parse_args(argv)
+    chosen = args.only.split(",") if args.only else BENCHMARKS
+    unknown = set(chosen) - set(BENCHMARKS)
+    if unknown:
+        parser.error(f"unknown benchmark(s) {', '.join(sorted(unknown))}")
+    reports, started = {}, time.monotonic()
+    for name in chosen:
+        print(f"== {name}", flush=True)
+        module = importlib.import_module(f"benchmarks.{name}")
+        reports[name] = module.main(["--quick"] if args.quick else [])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    mode = "quick" if args.quick else "full"
+    lines = [
+        "# Benchmark results",
+        "",
+        f"Written by `python -m benchmarks.run{' --quick' if args.quick else ''}` on "
+        f"{datetime.date.today()} ({mode} mode, {time.monotonic() - started:.0f} s).",
+        f"Machine: {machine()}.",
+        f"Versions: {versions()}.",
+        "",
+        "Each table comes from one run with its contenders interleaved (A B C, A B C, ...) "
+        "in fresh processes; ratios are to the row named in the table.",
+        "",
+        "## Targets",
+        "",
+        "| target | measured | goal | met |",
+        "|---|---|---|---|",
+        *(f"| {t} | {m} | {g} | {'yes' if ok else 'NO'} |" for t, m, g, ok in targets(reports)),
+    ]
+    for name, report in reports.items():
+        lines += ["", f"## {name}", "", report["markdown"]]
+    findings = HERE / "findings.md"
+    if findings.is_file():
+        lines += ["", findings.read_text().rstrip()]
+    (out / "RESULTS.md").write_text("\n".join(lines) + "\n")
+    plot(reports, out / "results.png")
+    print(f"wrote {out / 'RESULTS.md'} and {out / 'results.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
