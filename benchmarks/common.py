@@ -51,28 +51,59 @@ class Clocked(nn.Module):
     lies exactly one whole step (data, forward, backward, optimizer, the framework's own
     work). Steps ``warmup`` to ``warmup + steps`` are timed.
 
+    ``turn``, when given, is called every ``block`` timed steps (at the start of a forward):
+    it hands the process to another contender (``common.rotate``) and returns when this
+    one's turn comes again. A step that spans a hand-off is not timed.
+
     On the CPU each step is timed and ``step_time`` is their median (robust to the
     interference of other processes on a shared machine); on a GPU a per-step sync would
-    change what is measured, so ``step_time`` is the window's mean, synced at its ends."""
+    change what is measured, so the clock syncs only at block ends and ``step_time`` is the
+    median over blocks of a block's mean step."""
 
-    def __init__(self, model: nn.Module, warmup: int, steps: int, device: str) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        warmup: int,
+        steps: int,
+        device: str,
+        block: int = 0,
+        turn: Callable[[], object] | None = None,
+    ) -> None:
         super().__init__()
         self.model, self.warmup, self.steps = model, warmup, steps
+        self.block = block or steps
+        self.turn = turn
         self.cuda = device.startswith("cuda")
         self.calls = 0
-        self.stamps: list[float] = []
+        self.intervals: list[float] = []  # CPU: single steps
+        self.blocks: list[float] = []  # mean step of each block
+        self.last = self.block_start = 0.0
+        self.block_taken = 0  # timed steps done when the current block started
         self.first_step_wall = 0.0  # time.time() when the 2nd forward starts (1 step done)
+
+    def _stamp(self, sync: bool) -> float:
+        if sync and self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:
             if self.calls == 1:
                 self.first_step_wall = time.time()
-            if self.warmup <= self.calls <= self.warmup + self.steps:
-                ends = self.calls in (self.warmup, self.warmup + self.steps)
-                if self.cuda and ends:
-                    torch.cuda.synchronize()
-                if ends or not self.cuda:
-                    self.stamps.append(time.perf_counter())
+            done = self.calls - self.warmup  # timed steps completed before this forward
+            if 0 <= done <= self.steps:
+                edge = done % self.block == 0 or done == self.steps
+                now = self._stamp(edge)
+                if done > 0 and not self.cuda:
+                    self.intervals.append(now - self.last)
+                if done > 0 and edge:
+                    self.blocks.append((now - self.block_start) / (done - self.block_taken))
+                if edge and done < self.steps:
+                    if self.turn is not None and done > 0:
+                        self.turn()
+                    now = self._stamp(True)
+                    self.block_start, self.block_taken = now, done
+                self.last = now
             self.calls += 1
         return self.model(x)
 
@@ -80,9 +111,36 @@ class Clocked(nn.Module):
     def step_time(self) -> float:
         if self.calls <= self.warmup + self.steps:
             raise RuntimeError(f"only {self.calls} training forwards; the clock needs more")
-        if self.cuda:
-            return (self.stamps[-1] - self.stamps[0]) / self.steps
-        return statistics.median(b - a for a, b in itertools.pairwise(self.stamps))
+        return statistics.median(self.blocks if self.cuda else self.intervals)
+
+
+def pass_turn() -> None:
+    """Give the process to the next contender of ``rotate``; returns at the next turn."""
+    from greenlet import getcurrent
+
+    getcurrent().parent.switch()
+
+
+def rotate(runs: dict[str, Callable[[], object]]) -> dict[str, object]:
+    """Run several contenders in this process and thread, taking turns.
+
+    Each run is a greenlet (a coroutine with its own stack on the main thread, so signal
+    handlers, OpenMP's thread team and autograd's state are the same for all); a run gives
+    up its turn by calling ``pass_turn`` (``Clocked`` does so every ``block`` steps).
+    Contenders then share the process's state and the machine's moment equally: on a
+    shared machine, fresh processes running the same loop differ by up to 1.5x, which no
+    ranking by a few percent survives. Returns each run's return value."""
+    from greenlet import greenlet
+
+    lets = {name: greenlet(fn) for name, fn in runs.items()}
+    out: dict[str, object] = {}
+    while lets:
+        for name, let in list(lets.items()):
+            value = let.switch()
+            if let.dead:
+                out[name] = value
+                del lets[name]
+    return out
 
 
 def peak_rss_mib() -> float:

@@ -1,6 +1,6 @@
 """Per-step overhead: the same training run by a plain loop, dmltrain and its peers.
 
-    python benchmarks/overhead.py                 # MNIST CNN and the 37M MLP, full mode
+    python benchmarks/overhead.py                 # tiny, MNIST CNN and the 37M MLP
     python benchmarks/overhead.py --quick         # fewer steps and repetitions
 
 Every contender trains the same model (same seed) on the same in-memory data (random
@@ -8,20 +8,28 @@ MNIST-shaped tensors, DataLoader with batch 64, shuffled, no workers) with Adam 
 fp32, one process, on the device given. Nothing is logged, no progress bar, no checkpoint
 inside the timed window, no validation: dmltrain ``--progress off``, wandb disabled
 (it checkpoints at the end of the epoch, after the window); Lightning with logger,
-progress bar, model summary and checkpointing off. Each contender runs in a fresh process,
-interleaved (a b c d e f, a b c d e f, ...); the time per step is taken by the same clock
-inside each (``common.Clocked``: forward calls ``warmup`` to ``warmup + steps``).
-Reported: the median time per step, its ratio to the plain loop, and peak RSS of the
-process (peak CUDA memory on a GPU). A peer that is not installed is reported as such.
+progress bar, model summary and checkpointing off. The time per step is taken by the
+same clock inside each (``common.Clocked``: the starts of consecutive training forwards).
+
+Time: all contenders run in one process, taking turns (``common.rotate``: a b c d e f a b
+c ... until each has done its timed steps), because fresh processes running the very same
+loop on these shared machines differ by up to 1.5x for their whole life. That is repeated
+in a few fresh processes, the order of the turns shifted each time, and the median of each
+process's ratio to the plain loop is reported with its range. ``plain-twin`` is the plain
+loop once more: how far two identical contenders land apart is the resolution of the
+table. Peak RSS (and peak CUDA memory on a GPU): each contender alone in a fresh process.
+A peer that is not installed is reported as such.
 """
 
 import argparse
 import contextlib
+import functools
 import io
-import itertools
 import json
+import statistics
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -30,15 +38,15 @@ from torch.utils.data import DataLoader
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import (
     Clocked,
-    interleaved,
     make_data,
     make_model,
-    median,
+    pass_turn,
     peak_rss_mib,
+    rotate,
     run_worker,
 )
 
-CONTENDERS = ["plain", "dmltrain", "lightning", "fabric", "accelerate", "dmlcloud"]
+CONTENDERS = ["plain", "plain-twin", "dmltrain", "lightning", "fabric", "accelerate", "dmlcloud"]
 PEERS = {
     "lightning": "lightning",
     "fabric": "lightning",
@@ -50,7 +58,8 @@ LR = 1e-3
 
 def setup(args: argparse.Namespace) -> tuple[Clocked, DataLoader]:
     torch.manual_seed(0)
-    model = Clocked(make_model(args.model), args.warmup, args.steps, args.device)
+    turn = pass_turn if args.block else None
+    model = Clocked(make_model(args.model), args.warmup, args.steps, args.device, args.block, turn)
     data = make_data((args.warmup + args.steps + 2) * args.batch)
     g = torch.Generator().manual_seed(0)
     return model, DataLoader(data, batch_size=args.batch, shuffle=True, generator=g)
@@ -65,7 +74,10 @@ def train_plain(args: argparse.Namespace) -> Clocked:
     for x, y in loader:
         x, y = x.to(args.device, non_blocking=True), y.to(args.device, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
-        with torch.autocast(device_type, dtype=torch.bfloat16, enabled=bf16):
+        if bf16:
+            with torch.autocast(device_type, dtype=torch.bfloat16):
+                loss = F.cross_entropy(model(x), y)
+        else:
             loss = F.cross_entropy(model(x), y)
         loss.backward()
         optimizer.step()
@@ -203,18 +215,42 @@ def train_dmlcloud(args: argparse.Namespace) -> Clocked:
 
 
 def worker(args: argparse.Namespace) -> None:
+    """One contender alone (``--worker NAME``), or all of ``--contenders`` taking turns
+    (``--worker rotate``); prints one line of JSON."""
     if args.device.startswith("cuda"):
         torch.cuda.reset_peak_memory_stats()
-    model = globals()[f"train_{args.worker}"](args)
-    out = {
-        "step_time": model.step_time,
-        "first_step_wall": model.first_step_wall,
-        "peak_rss_mib": peak_rss_mib(),
-        "peak_cuda_mib": (
-            torch.cuda.max_memory_allocated() / 2**20 if args.device.startswith("cuda") else 0.0
-        ),
-    }
-    print(json.dumps(out))
+    if args.worker == "rotate":
+        names = args.contenders.split(",")
+        runs = {n: functools.partial(TRAIN[n], rotation_args(args, n)) for n in names}
+        models = rotate(runs)
+        out = {n: models[n].step_time for n in names}  # type: ignore[attr-defined]
+    else:
+        model = TRAIN[args.worker](args)
+        out = {
+            "step_time": model.step_time,
+            "first_step_wall": model.first_step_wall,
+            "peak_rss_mib": peak_rss_mib(),
+            "peak_cuda_mib": (
+                torch.cuda.max_memory_allocated() / 2**20 if args.device.startswith("cuda") else 0.0
+            ),
+        }
+    # sys.__stdout__: contenders that silence their output swap sys.stdout in turns.
+    print(json.dumps(out), file=sys.__stdout__, flush=True)
+
+
+def rotation_args(args: argparse.Namespace, name: str) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), "run_dir": f"{args.run_dir}/{name}"})
+
+
+TRAIN = {
+    "plain": train_plain,
+    "plain-twin": train_plain,  # the same loop again: how far identical contenders differ
+    "dmltrain": train_dmltrain,
+    "lightning": train_lightning,
+    "fabric": train_fabric,
+    "accelerate": train_accelerate,
+    "dmlcloud": train_dmlcloud,
+}
 
 
 def available(name: str) -> bool:
@@ -230,57 +266,89 @@ def worker_args(name: str, model: str, warmup: int, steps: int, device: str, run
     ]  # fmt: skip
 
 
-def measure(model: str, steps: int, warmup: int, repeats: int, device: str) -> dict:
-    """{contender: {"step_ms", "ratio", "rss", "cuda"}} for one model, interleaved."""
+def measure(model: str, plan: "Plan", device: str) -> dict:
+    """{contender: {"step_ms", "ratio", "low", "high", "rss", "cuda"}} for one model."""
     import tempfile
 
     names = [n for n in CONTENDERS if available(n)]
     tmp = tempfile.mkdtemp(prefix="dmltrain-overhead-")
     script = Path(__file__)
-    runs = itertools.count()
-    results = interleaved(
-        names,
-        repeats,
-        lambda n: run_worker(
-            script, worker_args(n, model, warmup, steps, device, f"{tmp}/{n}-{next(runs)}")
-        ),
-    )
-    plain = median(results["plain"], "step_time")
-    table = {}
+    rotations = []
+    for i in range(plan.processes):
+        order = names[i % len(names) :] + names[: i % len(names)]  # no one always goes first
+        rotations.append(
+            run_worker(
+                script,
+                [
+                    *worker_args("rotate", model, plan.warmup, plan.steps, device, f"{tmp}/{i}"),
+                    *("--block", str(plan.block), "--contenders", ",".join(order)),
+                ],
+            )
+        )
+    alone = {
+        n: run_worker(script, worker_args(n, model, plan.warmup, plan.block, device, f"{tmp}/{n}"))
+        for n in names
+        if n != "plain-twin"
+    }
+    alone["plain-twin"] = alone["plain"]
+    table: dict[str, dict | None] = {}
     for name in CONTENDERS:
-        if name not in results:
+        if name not in names:
             table[name] = None
             continue
-        step = median(results[name], "step_time")
+        ratios = [r[name] / r["plain"] for r in rotations]
         table[name] = {
-            "step_ms": 1000 * step,
-            "ratio": step / plain,
-            "rss": median(results[name], "peak_rss_mib"),
-            "cuda": median(results[name], "peak_cuda_mib"),
+            "step_ms": 1000 * statistics.median(r[name] for r in rotations),
+            "ratio": statistics.median(ratios),
+            "low": min(ratios),
+            "high": max(ratios),
+            "rss": alone[name]["peak_rss_mib"],
+            "cuda": alone[name]["peak_cuda_mib"],
         }
     return table
 
 
-def markdown(model: str, table: dict, steps: int, repeats: int, device: str) -> str:
+def markdown(model: str, table: dict, plan: "Plan", device: str) -> str:
     cuda = device != "cpu"
     plain_ms = table["plain"]["step_ms"]
     lines = [
-        f"overhead: {model}, batch 64, {steps} timed steps a run, median of {repeats}, "
-        f"interleaved, device {device}",
-        "| contender | ms per step | vs plain loop | extra us per step | peak RSS (MiB) |"
+        f"overhead: {model}, batch 64, device {device}; {plan.steps} timed steps each in turns "
+        f"of {plan.block}, in {plan.processes} fresh process(es); median and range of the "
+        "processes' ratios; peak memory alone in a fresh process",
+        "| contender | ms per step | vs plain loop | range | extra us per step | peak RSS (MiB) |"
         + (" peak CUDA (MiB) |" if cuda else ""),
-        "|---|---|---|---|---|" + ("---|" if cuda else ""),
+        "|---|---|---|---|---|---|" + ("---|" if cuda else ""),
     ]
     for name, row in table.items():
         if row is None:
-            lines.append(f"| {name} | not installed | | | |" + (" |" if cuda else ""))
+            lines.append(f"| {name} | not installed | | | | |" + (" |" if cuda else ""))
             continue
         extra = 1000 * (row["step_ms"] - plain_ms)
         lines.append(
-            f"| {name} | {row['step_ms']:.3f} | {row['ratio']:.3f}x | {extra:+.0f} | "
-            f"{row['rss']:.0f} |" + (f" {row['cuda']:.0f} |" if cuda else "")
+            f"| {name} | {row['step_ms']:.3f} | {row['ratio']:.3f}x | "
+            f"{row['low']:.3f}-{row['high']:.3f} | {extra:+.0f} | {row['rss']:.0f} |"
+            + (f" {row['cuda']:.0f} |" if cuda else "")
         )
     return "\n".join(lines)
+
+
+class Plan(NamedTuple):
+    steps: int  # timed steps per contender and process
+    warmup: int
+    block: int  # steps per turn
+    processes: int
+
+
+# Turns of one step where a step is long (every step of a contender lies between steps of
+# the others, so all see the machine's moments alike); of 50 for the 1 ms tiny step, where
+# a step right after another contender's runs with cold caches. On a GPU turns are of at
+# least 20 steps: the clock syncs at every turn.
+FULL = {
+    "tiny": Plan(600, 20, 50, 5),
+    "cnn": Plan(120, 10, 1, 5),
+    "mlp": Plan(24, 3, 1, 3),
+}
+QUICK = {"tiny": Plan(200, 10, 50, 1), "cnn": Plan(40, 5, 1, 1)}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -288,9 +356,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--contenders", default="", help=argparse.SUPPRESS)
     parser.add_argument("--model", default="cnn", help=argparse.SUPPRESS)
     parser.add_argument("--warmup", type=int, default=10, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=100, help=argparse.SUPPRESS)
+    parser.add_argument("--block", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--batch", type=int, default=64, help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", default="", help=argparse.SUPPRESS)
     parser.add_argument("--precision", default="fp32", help=argparse.SUPPRESS)
@@ -298,14 +368,12 @@ def main(argv: list[str] | None = None) -> dict:
     if args.worker:
         worker(args)
         return {}
-    repeats = 1 if args.quick else 4
-    plan = {"tiny": (300, 20), "cnn": (60, 10), "mlp": (20, 3)}
-    if args.quick:
-        plan = {"tiny": (150, 10), "cnn": (30, 5)}
     texts, ratios = [], {}
-    for model, (steps, warmup) in plan.items():
-        table = measure(model, steps, warmup, repeats, args.device)
-        texts.append(markdown(model, table, steps, repeats, args.device))
+    for model, plan in (QUICK if args.quick else FULL).items():
+        if args.device != "cpu":
+            plan = plan._replace(block=max(plan.block, 20), steps=max(plan.steps, 100))
+        table = measure(model, plan, args.device)
+        texts.append(markdown(model, table, plan, args.device))
         print(texts[-1] + "\n", flush=True)
         ratios.update({f"{model}: {k}": v["ratio"] for k, v in table.items() if v})
     return {"markdown": "\n\n".join(texts), "ratios": ratios, "device": args.device}

@@ -352,13 +352,9 @@ class BaseTrainer(abc.ABC):
         self.optimizer.zero_grad()  # set_to_none is the default
         results = []
         for i, batch in enumerate(micro_batches):
-            batch = to_device(batch, self.device)
-            last = i == len(micro_batches) - 1
-            with contextlib.ExitStack() as stack:
-                if not last:
-                    stack.enter_context(self.strategy.no_sync(self.model))
-                if cfg.detect_anomaly:
-                    stack.enter_context(torch.autograd.detect_anomaly())
+            if self.device.type != "cpu":
+                batch = to_device(batch, self.device)
+            with self._micro_batch_context(last=i == len(micro_batches) - 1):
                 with precision.autocast():
                     loss, step_metrics = split_step_output(self.train_step(batch))
                 precision.backward(loss / len(micro_batches) if len(micro_batches) > 1 else loss)
@@ -387,6 +383,18 @@ class BaseTrainer(abc.ABC):
             self.scheduler.step()
         for loss, step_metrics, n in results:
             metrics.update({"loss": loss, **step_metrics}, n)
+
+    def _micro_batch_context(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+        """Around forward and backward of a micro-batch: no gradient sync before the last
+        one of an accumulation; anomaly mode when asked for."""
+        if last and not self.config.detect_anomaly:
+            return contextlib.nullcontext()
+        stack = contextlib.ExitStack()
+        if not last:
+            stack.enter_context(self.strategy.no_sync(self.model))
+        if self.config.detect_anomaly:
+            stack.enter_context(torch.autograd.detect_anomaly())
+        return stack
 
     def _on_nan(self, event: NanEvent) -> None:
         """Act on a non-finite step, the same way on every rank."""

@@ -27,3 +27,33 @@ def test_quick_mode_writes_results_and_plot(tmp_path):
     if REQUIRE_ALL:  # tests/run.sh installs benchmarks/requirements.txt
         assert "not installed" not in results
     assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_contenders_taking_turns_time_only_their_own_steps():
+    """Two loops share the process in turns of 3 steps (benchmarks.common.rotate); each
+    clock must time its own steps (2 ms and 20 ms of sleep), never the other's turn."""
+    import time
+
+    import torch
+
+    from benchmarks.common import Clocked, pass_turn, rotate
+
+    order = []
+
+    def loop(name, seconds):
+        clock = Clocked(torch.nn.Identity(), warmup=2, steps=9, device="cpu", block=3,
+                        turn=pass_turn)  # fmt: skip
+        for _ in range(2 + 9 + 1):
+            clock(torch.zeros(1))
+            order.append(name)
+            time.sleep(seconds)
+        return clock
+
+    clocks = rotate({"fast": lambda: loop("fast", 0.002), "slow": lambda: loop("slow", 0.02)})
+    assert 0.0015 < clocks["fast"].step_time < 0.010
+    assert max(clocks["fast"].intervals) < 0.030  # slow's turns (60 ms) are not in any
+    assert 0.018 < clocks["slow"].step_time < 0.040
+    assert len(clocks["fast"].intervals) == 9
+    # warm-up and the first 3 timed steps, then turns of 3; the last turn runs to the end
+    turns = [n for i, n in enumerate(order) if i == 0 or order[i - 1] != n]
+    assert turns == ["fast", "slow"] * 3
