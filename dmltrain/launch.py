@@ -338,16 +338,29 @@ def hostname() -> str:
     return socket.gethostname()
 
 
-def spawn(nprocs: int, fn: Callable[..., None], args: tuple) -> None:
+def spawn(
+    nprocs: int,
+    fn: Callable[..., None],
+    args: tuple,
+    forward: Callable[[], list[int]] = list,
+) -> None:
     """Run ``fn(local_rank, *args)`` in ``nprocs`` fresh processes and wait for all.
 
     When one fails, torch.multiprocessing stops the others; the failure is re-raised as
-    ``RankFailed`` naming the rank that failed first.
+    ``RankFailed`` naming the rank that failed first. While waiting, the signals that
+    ``forward()`` returns (the ones this parent received) are sent on to the workers, so
+    a preemption signal that reaches only the parent still checkpoints the run.
     """
     import torch.multiprocessing as mp
 
     try:
-        mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="spawn")
+        context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+        assert context is not None
+        while not context.join(timeout=0.2):
+            for signum in forward():
+                for process in context.processes:
+                    if process.is_alive() and process.pid is not None:
+                        os.kill(process.pid, signum)
     except mp.ProcessExitedException as exc:
         if exc.exit_code == EXIT_REQUEUE:  # a checkpoint was saved; the run goes on later
             raise StopForRequeue(f"checkpoint saved; exit status {EXIT_REQUEUE}") from None

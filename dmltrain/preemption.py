@@ -28,13 +28,21 @@ class PreemptionWatcher:
     def __init__(self, signal_names: list[str], deadline: float | None = None) -> None:
         self.requested: str | None = None
         self.deadline = deadline
+        self._received: list[int] = []  # signal numbers not yet taken by ``take_received``
         self._previous: dict[int, object] = {}
         for name in signal_names:
             number = signal.Signals[name]
             self._previous[number] = signal.signal(number, self._handle)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
-        self.requested = signal.Signals(signum).name  # only a flag: the loop does the work
+        # only flags: the loop (or the --nprocs parent, which forwards) does the work
+        self.requested = self.requested or signal.Signals(signum).name
+        self._received.append(signum)
+
+    def take_received(self) -> list[int]:
+        """The signals received since the last call, oldest first."""
+        taken, self._received = self._received, []
+        return taken
 
     def local_request(self) -> bool:
         if self.requested is None and self.deadline is not None and time.time() >= self.deadline:

@@ -232,9 +232,7 @@ class BaseTrainer(abc.ABC):
         if self.dist.launcher == "spawn" and not self._spawned_worker:
             return self._spawn_workers()
         # Signals are caught from here on (setup can take long); the loop acts on them.
-        self.watcher = preemption.PreemptionWatcher(
-            [n.strip() for n in self.config.preempt_signals.split(",") if n.strip()]
-        )
+        self.watcher = preemption.PreemptionWatcher(self._preempt_signals())
         try:
             self.setup()
             rows = self._fit()
@@ -610,16 +608,25 @@ class BaseTrainer(abc.ABC):
             Path(run_dir).mkdir(parents=True, exist_ok=True)
         return Path(run_dir)
 
+    def _preempt_signals(self) -> list[str]:
+        return [n.strip() for n in self.config.preempt_signals.split(",") if n.strip()]
+
     def _spawn_workers(self) -> list[dict[str, Any]]:
-        """``--nprocs N``: start N workers here and wait; one failing stops the others."""
+        """``--nprocs N``: start N workers here and wait; one failing stops the others.
+        Preemption signals sent to this parent only are passed on to the workers."""
         config = dataclasses.replace(
             self.config, run_dir=self.config.run_dir or self._default_run_dir()
         )
-        launch.spawn(
-            self.dist.world_size,
-            _spawned_fit,
-            (type(self), self.name, config, self.options, self.dist),
-        )
+        watcher = preemption.PreemptionWatcher(self._preempt_signals())  # forwarded
+        try:
+            launch.spawn(
+                self.dist.world_size,
+                _spawned_fit,
+                (type(self), self.name, config, self.options, self.dist),
+                forward=watcher.take_received,
+            )
+        finally:
+            watcher.restore()
         return read_training_log(Path(str(config.run_dir)) / "training_log.csv")
 
 

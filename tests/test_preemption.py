@@ -72,12 +72,16 @@ def test_sigusr1_then_resume_is_bit_exact(uninterrupted, tmp_path, nprocs, when)
     assert final["global_step"] == 3 * per_epoch  # no step taken twice or skipped
 
 
+@pytest.mark.parametrize("nprocs", [1, 2])
 @pytest.mark.parametrize("name", ["SIGTERM", "SIGINT"])
-def test_sigterm_and_sigint_from_outside_then_resume_is_bit_exact(uninterrupted, tmp_path, name):
+def test_sigterm_and_sigint_from_outside_then_resume_is_bit_exact(
+    uninterrupted, tmp_path, name, nprocs
+):
     """What a scheduler does (SIGTERM at preemption or the time limit, Ctrl-C by hand):
-    checkpoint at the next step, exit 3, resume to the same result."""
+    checkpoint at the next step, exit 3, resume to the same result. The signal goes to the
+    process started, only: with --nprocs 2 that is the parent, which passes it on."""
     run = tmp_path / "run"
-    args = [*TINY, "--nprocs", "1", "--run-dir", str(run)]
+    args = [*TINY, "--nprocs", str(nprocs), "--run-dir", str(run)]
     proc = subprocess.Popen(
         [sys.executable, "-m", "dmltrain", *args, "--progress", "log", "--log-every", "1",
          "--step-sleep", "0.3"],
@@ -94,7 +98,7 @@ def test_sigterm_and_sigint_from_outside_then_resume_is_bit_exact(uninterrupted,
     assert list_checkpoints(run / "checkpoints")
     resumed = run_cli(*args, cwd=tmp_path)
     assert resumed.returncode == 0 and "resuming from" in resumed.stdout, resumed.stderr
-    assert_same_run(uninterrupted[1], run)
+    assert_same_run(uninterrupted[nprocs], run)
 
 
 @pytest.mark.parametrize("nprocs", [1, 2])
