@@ -368,7 +368,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.worker:
         worker(args)
         return {}
-    texts, ratios = [], {}
+    texts, ratios, spread = [], {}, {}
     for model, plan in (QUICK if args.quick else FULL).items():
         if args.device != "cpu":
             plan = plan._replace(block=max(plan.block, 20), steps=max(plan.steps, 100))
@@ -376,7 +376,14 @@ def main(argv: list[str] | None = None) -> dict:
         texts.append(markdown(model, table, plan, args.device))
         print(texts[-1] + "\n", flush=True)
         ratios.update({f"{model}: {k}": v["ratio"] for k, v in table.items() if v})
-    return {"markdown": "\n\n".join(texts), "ratios": ratios, "device": args.device}
+        twin = table["plain-twin"]
+        spread[model] = (twin["low"], twin["high"])  # where identical loops landed
+    return {
+        "markdown": "\n\n".join(texts),
+        "ratios": ratios,
+        "twin_range": spread,
+        "device": args.device,
+    }
 
 
 if __name__ == "__main__":

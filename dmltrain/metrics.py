@@ -42,8 +42,7 @@ class MetricAccumulator:
 
     def load_state_dict(self, state: dict) -> None:
         self._sums = {
-            k: v.to(self.device) if isinstance(v, Tensor) else v
-            for k, v in state["sums"].items()
+            k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in state["sums"].items()
         }
         self._count = int(state["count"])
 
