@@ -323,7 +323,7 @@ def markdown(model: str, table: dict, plan: "Plan", device: str) -> str:
         if row is None:
             lines.append(f"| {name} | not installed | | | | |" + (" |" if cuda else ""))
             continue
-        extra = 1000 * (row["step_ms"] - plain_ms)
+        extra = 1000 * (row["ratio"] - 1) * plain_ms  # the median ratio, in us
         lines.append(
             f"| {name} | {row['step_ms']:.3f} | {row['ratio']:.3f}x | "
             f"{row['low']:.3f}-{row['high']:.3f} | {extra:+.0f} | {row['rss']:.0f} |"

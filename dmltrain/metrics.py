@@ -37,7 +37,10 @@ class MetricAccumulator:
         self._count += n
 
     def state_dict(self) -> dict:
-        sums = {k: v.cpu() if isinstance(v, Tensor) else v for k, v in self._sums.items()}
+        # copies: the sums go on growing in place after a checkpoint took them
+        sums = {
+            k: v.to("cpu", copy=True) if isinstance(v, Tensor) else v for k, v in self._sums.items()
+        }
         return {"sums": sums, "count": self._count}
 
     def load_state_dict(self, state: dict) -> None:

@@ -30,3 +30,16 @@ def test_reduce_sees_sums_and_count_in_one_tensor():
 
 def test_empty():
     assert MetricAccumulator("cpu").compute() == {}
+
+
+def test_state_dict_is_a_snapshot_and_restores():
+    """A checkpoint's copy of the sums must not move on with the in-place accumulation."""
+    acc = MetricAccumulator("cpu")
+    acc.update({"loss": torch.tensor(1.0), "acc": 0.5}, 2)
+    state = acc.state_dict()
+    acc.update({"loss": torch.tensor(3.0), "acc": 1.0}, 2)
+    restored = MetricAccumulator("cpu")
+    restored.load_state_dict(state)
+    assert restored.compute() == {"loss": pytest.approx(1.0), "acc": pytest.approx(0.5)}
+    restored.update({"loss": torch.tensor(3.0), "acc": 1.0}, 2)
+    assert restored.compute() == acc.compute() == {"loss": 2.0, "acc": 0.75}
