@@ -1,104 +1,138 @@
 """What ``--check-nans`` costs per training step.
 
-    python benchmarks/nan_check.py            # MNIST CNN, batch 64, 150 steps a run, 5 pairs
-    python benchmarks/nan_check.py --quick    # 40 steps a run, 2 pairs (a smoke test)
+    python benchmarks/nan_check.py            # MNIST CNN, batch 64, 150 steps, 3 processes
+    python benchmarks/nan_check.py --quick    # 30 steps, 1 process (a smoke test)
 
 The MNIST CNN on random MNIST-shaped data held in memory, trained by dmltrain with and
-without ``--check-nans``, alternated (off, on, off, on, ...) in one process; the time of
-the training loop alone (from ``on_train_start`` to ``on_train_end``, no validation) is
-divided by the steps. Reported: median time per step of each and their ratio.
-Logging off, no checkpoints inside the loop, one process, the device given (default CPU).
+without ``--check-nans`` in one process, taking turns step by step (``common.rotate``, as
+in ``overhead.py``: separate runs drift apart with the machine's load), each step timed by
+the same clock (``common.Clocked``). Repeated in a few fresh processes (who goes first
+alternates); reported: the median time per step of each and the median of the processes'
+ratios. Logging off, no checkpoints inside the loop, one process, the device given.
 """
 
 import argparse
 import contextlib
+import functools
 import io
+import json
 import statistics
+import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import TensorDataset
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import Clocked, make_data, pass_turn, rotate, run_worker
 from dmltrain import BaseTrainer, TrainConfig
 from dmltrain.launch import detect
 from experiments.mnist import Net
 
+WARMUP = 5
 
-class Timed(BaseTrainer):
+
+class Bench(BaseTrainer):
     name = "bench"
     steps = 150
+    block = 1
 
     def create_model(self):
-        return Net()
+        self.clock = Clocked(Net(), WARMUP, self.steps, str(self.device), self.block, pass_turn)
+        return self.clock
 
     def create_datasets(self):
-        g = torch.Generator().manual_seed(0)
-        n = self.steps * self.config.batch_size
-        x = torch.randn(n, 1, 28, 28, generator=g)
-        return TensorDataset(x, torch.randint(0, 10, (n,), generator=g)), None
+        return make_data((WARMUP + self.steps + 2) * self.config.batch_size), None
 
     def train_step(self, batch):
         x, y = batch
         return F.cross_entropy(self.model(x), y)
 
-    def on_train_start(self):
-        self.started = time.perf_counter()
 
-    def on_train_end(self):
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        self.loop_time = time.perf_counter() - self.started
-
-
-def step_time(check: bool, steps: int, device: str, root: Path, rep: int) -> float:
+def run(check: bool, steps: int, block: int, device: str, root: Path) -> float:
     config = TrainConfig(
         epochs=1,
         batch_size=64,
         check_nans=check,
         progress="off",
+        wandb_mode="disabled",
         keep_last=1,
-        run_dir=str(root / f"{'on' if check else 'off'}-{rep}"),
+        run_dir=str(root / ("on" if check else "off")),
     )
     dist = detect("single", 1)
     if device != "cpu":
         from dataclasses import replace
 
         dist = replace(dist, device=device)
-    Timed.steps = steps
-    trainer = Timed(config, dist=dist)
-    with contextlib.redirect_stdout(io.StringIO()):  # the run's banner and epoch line
-        trainer.fit()
-    return trainer.loop_time / steps
+    trainer = Bench(config, dist=dist)
+    trainer.steps, trainer.block = steps, block
+    trainer.fit()
+    return trainer.clock.step_time
+
+
+def worker(args: argparse.Namespace) -> None:
+    order = [False, True] if args.worker == "off-first" else [True, False]
+    runs = {
+        check: functools.partial(run, check, args.steps, args.block, args.device, Path(args.root))
+        for check in order
+    }
+    with contextlib.redirect_stdout(io.StringIO()):  # the runs' banners and epoch lines
+        times = rotate(runs)  # type: ignore[arg-type]
+    print(json.dumps({"off": times[False], "on": times[True]}), flush=True)
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--steps", type=int, default=150, help=argparse.SUPPRESS)
+    parser.add_argument("--block", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--root", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    steps, pairs = (40, 2) if args.quick else (150, 5)
+    if args.worker:
+        worker(args)
+        return {}
+    steps, processes = (30, 1) if args.quick else (150, 3)
+    block = 1 if args.device == "cpu" else 20  # the clock syncs a GPU at every turn
     root = Path(tempfile.mkdtemp(prefix="dmltrain-nan-bench-"))
-    step_time(False, 5, args.device, root, -1)  # warm-up (allocator, kernels)
-    times: dict[bool, list[float]] = {False: [], True: []}
-    for rep in range(pairs):
-        for check in (False, True):
-            times[check].append(step_time(check, steps, args.device, root, rep))
-    off, on = statistics.median(times[False]), statistics.median(times[True])
+    results = [
+        run_worker(
+            Path(__file__),
+            [
+                "--worker",
+                "off-first" if i % 2 == 0 else "on-first",
+                "--steps",
+                str(steps),
+                "--block",
+                str(block),
+                "--device",
+                args.device,
+                "--root",
+                str(root / str(i)),
+            ],
+        )
+        for i in range(processes)
+    ]
+    off = statistics.median(r["off"] for r in results)
+    on = statistics.median(r["on"] for r in results)
+    ratios = [r["on"] / r["off"] for r in results]
+    ratio = statistics.median(ratios)
     text = "\n".join(
         [
-            f"nan-check: MNIST CNN, batch 64, {steps} steps a run, median of {pairs}, "
-            f"alternated, device {args.device}",
+            f"nan-check: MNIST CNN, batch 64, {steps} timed steps each, taking turns every "
+            f"{block} step(s) in one process, {processes} fresh process(es), device "
+            f"{args.device}; ratio: median (range) of the processes'",
             "| run | ms per step | vs unchecked |",
             "|---|---|---|",
             f"| unchecked | {1000 * off:.2f} | 1.000x |",
-            f"| --check-nans | {1000 * on:.2f} | {on / off:.3f}x |",
+            f"| --check-nans | {1000 * on:.2f} | {ratio:.3f}x ({min(ratios):.3f}-"
+            f"{max(ratios):.3f}) |",
         ]
     )
     print(text, flush=True)
-    return {"markdown": text, "ratios": {"nan-check: on / off": on / off}}
+    return {"markdown": text, "ratios": {"nan-check: on / off": ratio}}
 
 
 if __name__ == "__main__":
