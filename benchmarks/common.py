@@ -143,6 +143,15 @@ def rotate(runs: dict[str, Callable[[], object]]) -> dict[str, object]:
     return out
 
 
+def single_process(device: str):
+    """dmltrain's ``DistInfo`` for one process on ``device``."""
+    from dataclasses import replace
+
+    from dmltrain.launch import detect
+
+    return replace(detect("single", 1), device=device)
+
+
 def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 

@@ -25,9 +25,16 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import Clocked, make_data, pass_turn, rotate, run_worker
+from benchmarks.common import (
+    Clocked,
+    make_data,
+    median,
+    pass_turn,
+    rotate,
+    run_worker,
+    single_process,
+)
 from dmltrain import BaseTrainer, TrainConfig
-from dmltrain.launch import detect
 from experiments.mnist import Net
 
 WARMUP = 5
@@ -60,12 +67,7 @@ def run(check: bool, steps: int, block: int, device: str, root: Path) -> float:
         keep_last=1,
         run_dir=str(root / ("on" if check else "off")),
     )
-    dist = detect("single", 1)
-    if device != "cpu":
-        from dataclasses import replace
-
-        dist = replace(dist, device=device)
-    trainer = Bench(config, dist=dist)
+    trainer = Bench(config, dist=single_process(device))
     trainer.steps, trainer.block = steps, block
     trainer.fit()
     return trainer.clock.step_time
@@ -115,8 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
         )
         for i in range(processes)
     ]
-    off = statistics.median(r["off"] for r in results)
-    on = statistics.median(r["on"] for r in results)
+    off, on = median(results, "off"), median(results, "on")
     ratios = [r["on"] / r["off"] for r in results]
     ratio = statistics.median(ratios)
     text = "\n".join(

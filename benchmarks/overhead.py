@@ -40,10 +40,12 @@ from benchmarks.common import (
     Clocked,
     make_data,
     make_model,
+    median,
     pass_turn,
     peak_rss_mib,
     rotate,
     run_worker,
+    single_process,
 )
 
 CONTENDERS = ["plain", "plain-twin", "dmltrain", "lightning", "fabric", "accelerate", "dmlcloud"]
@@ -86,7 +88,6 @@ def train_plain(args: argparse.Namespace) -> Clocked:
 
 def train_dmltrain(args: argparse.Namespace) -> Clocked:
     from dmltrain import BaseTrainer, TrainConfig
-    from dmltrain.launch import detect
 
     model, loader = setup(args)
 
@@ -113,13 +114,8 @@ def train_dmltrain(args: argparse.Namespace) -> Clocked:
         run_dir=args.run_dir,
         resume="never",
     )
-    dist = detect("single", 1)
-    if args.device != "cpu":
-        from dataclasses import replace
-
-        dist = replace(dist, device=args.device)
     with contextlib.redirect_stdout(io.StringIO()):
-        Bench(config, dist=dist).fit()
+        Bench(config, dist=single_process(args.device)).fit()
     return model
 
 
@@ -298,7 +294,7 @@ def measure(model: str, plan: "Plan", device: str) -> dict:
             continue
         ratios = [r[name] / r["plain"] for r in rotations]
         table[name] = {
-            "step_ms": 1000 * statistics.median(r[name] for r in rotations),
+            "step_ms": 1000 * median(rotations, name),
             "ratio": statistics.median(ratios),
             "low": min(ratios),
             "high": max(ratios),

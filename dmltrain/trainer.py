@@ -52,13 +52,21 @@ def seed_everything(seed: int) -> None:
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
-    """Move every tensor in a (nested) batch to ``device``; non-blocking from pinned memory."""
+    """Move every tensor in a (nested) batch to ``device``; non-blocking from pinned memory.
+    For the CPU the batch is passed on as it is (a DataLoader's batches are there already,
+    and ``to`` costs a call per tensor and step)."""
+    if device.type == "cpu":
+        return batch
+    return _to_device(batch, device)
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
     if isinstance(batch, Tensor):
         return batch.to(device, non_blocking=True)
     if isinstance(batch, Mapping):
-        return {key: to_device(value, device) for key, value in batch.items()}
+        return {key: _to_device(value, device) for key, value in batch.items()}
     if isinstance(batch, (list, tuple)):
-        return type(batch)(to_device(value, device) for value in batch)
+        return type(batch)(_to_device(value, device) for value in batch)
     return batch
 
 
@@ -350,8 +358,7 @@ class BaseTrainer(abc.ABC):
         self.optimizer.zero_grad()  # set_to_none is the default
         results = []
         for i, batch in enumerate(micro_batches):
-            if self.device.type != "cpu":
-                batch = to_device(batch, self.device)
+            batch = to_device(batch, self.device)
             with self._micro_batch_context(last=i == len(micro_batches) - 1):
                 with precision.autocast():
                     loss, step_metrics = split_step_output(self.train_step(batch))
