@@ -23,6 +23,7 @@ from typing import Any, NoReturn
 
 import argparse_dataclass
 
+from dmltrain import launch
 from dmltrain.config import CONCERNS, TrainConfig, field_names, load_config_file
 from dmltrain.errors import UserError, run_reporting_errors
 from dmltrain.trainer import BaseTrainer
@@ -276,4 +277,6 @@ def main(argv: Sequence[str] | None = None, experiments: Sequence[Experiment] = 
     status = run_reporting_errors(trainer.fit, trainer.dist.rank, trainer.dist.world_size)
     if config.status_file and trainer.dist.rank == 0:
         Path(config.status_file).write_text(f"{status}\n")
+    if launch.started_by_launcher(trainer.dist):
+        launch.leave(status)  # the same exit as --nprocs workers, for the same reason
     return status

@@ -23,6 +23,7 @@ import socket
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
+from typing import NoReturn
 
 import torch
 
@@ -373,15 +374,28 @@ def spawn(
         raise RankFailed(f"rank {exc.error_index} failed first: {exc}", 1) from None
 
 
-def exit_on_error(fn: Callable[[], object], rank: int, world_size: int) -> None:
+def exit_on_error(fn: Callable[[], object], rank: int, world_size: int) -> NoReturn:
     """A worker's main: run ``fn`` and leave the process with its exit code.
 
     The worker leaves with ``os._exit`` once its output is flushed: tearing down the
     interpreter while Gloo's threads still hold tensors can abort the process
-    ("terminate called without an active exception"), seen once in a few hundred runs.
-    Everything a run writes is closed and fsynced before ``fn`` returns.
+    ("terminate called without an active exception"), seen once in a few hundred runs,
+    even after ``destroy_process_group``; ``dmltrain`` under torchrun, srun or mpirun
+    leaves the same way (``leave``). Everything a run writes is closed and fsynced
+    before ``fn`` returns.
     """
-    code = run_reporting_errors(fn, rank, world_size)
+    leave(run_reporting_errors(fn, rank, world_size))
+
+
+def started_by_launcher(info: DistInfo) -> bool:
+    """Whether this process is one rank of a job that a launcher (torchrun, srun,
+    mpirun, horovodrun) started, and so took part in a process group."""
+    return info.launcher not in ("single", "spawn")
+
+
+def leave(code: int) -> NoReturn:
+    """End a rank's process with ``code`` once its output is flushed, without the
+    interpreter's teardown (see ``exit_on_error``)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
