@@ -17,6 +17,7 @@ With ``--launcher auto`` they are tried in this order, first match wins:
 6. ``single``    - one process.
 """
 
+import atexit
 import os
 import re
 import socket
@@ -394,8 +395,10 @@ def started_by_launcher(info: DistInfo) -> bool:
 
 
 def leave(code: int) -> NoReturn:
-    """End a rank's process with ``code`` once its output is flushed, without the
-    interpreter's teardown (see ``exit_on_error``)."""
+    """End a rank's process with ``code``: the ``atexit`` handlers run (an experiment's
+    clean-up, logging's flush) and output is flushed, but the interpreter's teardown is
+    skipped (see ``exit_on_error``)."""
+    atexit._run_exitfuncs()  # errors in a handler are printed and the others still run
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -51,7 +51,7 @@ def launch(command, run, timeout=300, gpus=False):
 def reference(tmp_path_factory):
     """The 2-process self-spawn run every other launcher is compared with."""
     run = tmp_path_factory.mktemp("spawn") / "run"
-    done = launch(DMLTRAIN + ARGS + ["--nprocs", "2"], run)
+    done = launch(DMLTRAIN + ARGS + ["--nprocs", "2", "--exit-note", f"{run}-exit"], run)
     return run, done
 
 
@@ -67,6 +67,8 @@ def test_spawn_writes_once_from_rank_0(reference):
     assert done.stdout.count("epoch 1/3 train_loss") == 1  # one summary, from rank 0
     assert done.stdout.count("dmltrain: tiny ->") == 1
     assert "nprocs: 2" in (run / "config.yaml").read_text()
+    # workers leave with os._exit (launch.leave), after the experiment's atexit handlers
+    assert sorted(p.name for p in run.parent.glob("run-exit.*")) == ["run-exit.0", "run-exit.1"]
 
 
 def test_one_process_with_the_same_global_batch_matches(reference, tmp_path):
@@ -89,9 +91,14 @@ def test_torchrun(reference, tmp_path):
         "-m",
         "dmltrain",
         *ARGS,
+        "--exit-note",
+        str(tmp_path / "exit"),
     ]
     launch(command, run)
     assert_same_run(reference[0], run)
+    # Ranks a launcher started leave without the interpreter's teardown (launch.leave),
+    # yet an experiment's atexit handlers still run on every rank.
+    assert sorted(p.name for p in tmp_path.glob("exit.*")) == ["exit.0", "exit.1"]
 
 
 def test_mpirun(reference, tmp_path):

@@ -1,5 +1,6 @@
 """A tiny regression experiment: the fast stand-in for MNIST in mechanics tests."""
 
+import atexit
 import os
 import signal
 import time
@@ -27,6 +28,9 @@ class TinyOptions:
     nan_rank: int = field(default=-1, metadata={"help": "this rank injects a NaN"})
     nan_at_step: int = field(default=0, metadata={"help": "... at this global step"})
     nan_into: str = field(default="loss", metadata={"help": "... into: loss or gradient"})
+    exit_note: str = field(
+        default="", metadata={"help": "an atexit handler writes PATH.RANK as the process ends"}
+    )
 
 
 class TinyTrainer(BaseTrainer):
@@ -37,6 +41,9 @@ class TinyTrainer(BaseTrainer):
         return self.options or TinyOptions()
 
     def create_model(self) -> nn.Module:
+        if self.opts.exit_note:  # an experiment's own clean-up, as a user would register it
+            note = f"{self.opts.exit_note}.{self.dist.rank}"
+            atexit.register(lambda: open(note, "w").close())
         return nn.Sequential(nn.Linear(self.opts.features, 8), nn.Tanh(), nn.Linear(8, 1))
 
     def create_datasets(self):
