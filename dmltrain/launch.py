@@ -390,7 +390,8 @@ def exit_on_error(fn: Callable[[], object], rank: int, world_size: int) -> NoRet
 
 def started_by_launcher(info: DistInfo) -> bool:
     """Whether this process is one rank of a job that a launcher (torchrun, srun,
-    mpirun, horovodrun) started, and so took part in a process group."""
+    mpirun, horovodrun) started, and so ran collectives (a torch process group, or
+    Horovod under horovodrun)."""
     return info.launcher not in ("single", "spawn")
 
 
