@@ -85,3 +85,21 @@ def slurm_end_time(job_id: str | None) -> float | None:
         return time.mktime(time.strptime(out, "%Y-%m-%dT%H:%M:%S"))
     except (OSError, ValueError, subprocess.TimeoutExpired):
         return None  # unlimited, unknown, or not a Slurm job
+
+
+def stop_deadline(
+    job_id: str | None, minutes_before: float, warn: Callable[[str], None]
+) -> float | None:
+    """When to checkpoint and stop: ``minutes_before`` the Slurm job's time limit; None
+    outside Slurm, without a limit, or when that moment has passed already."""
+    end = slurm_end_time(job_id)
+    if end is None:
+        return None
+    deadline = end - 60 * minutes_before
+    if deadline <= time.time():  # stopping now would only requeue forever
+        warn(
+            f"--stop-before-end-minutes {minutes_before} is more than the time left in job "
+            f"{job_id}; not stopping early"
+        )
+        return None
+    return deadline

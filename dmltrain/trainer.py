@@ -19,7 +19,7 @@ import math
 import random
 import sys
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from dmltrain import diagnostics, launch, preemption
+from dmltrain.batches import StepOutput, batch_size_of, chunks, split_step_output, to_device
 from dmltrain.checkpoint import list_checkpoints
 from dmltrain.config import CONCERNS, DistConfig, TrackingConfig, TrainConfig, section, to_yaml
 from dmltrain.distributed import ResumableSampler, Strategy, create_strategy
@@ -42,61 +43,11 @@ from dmltrain.resume import Checkpointer, config_dict
 from dmltrain.tracking import Tracker, create_tracker
 from dmltrain.training_log import TrainingLog, read_training_log
 
-StepOutput = Tensor | tuple[Tensor, Mapping[str, Tensor | float]]
-
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def to_device(batch: Any, device: torch.device) -> Any:
-    """Move every tensor in a (nested) batch to ``device``; non-blocking from pinned memory.
-    For the CPU the batch is passed on as it is (a DataLoader's batches are there already,
-    and ``to`` costs a call per tensor and step)."""
-    if device.type == "cpu":
-        return batch
-    return _to_device(batch, device)
-
-
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, Mapping):
-        return {key: _to_device(value, device) for key, value in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(value, device) for value in batch)
-    return batch
-
-
-def batch_size_of(batch: Any) -> int:
-    """The number of samples in a batch: the leading dimension of its first tensor."""
-    if isinstance(batch, Tensor):
-        return int(batch.shape[0])
-    values = batch.values() if isinstance(batch, Mapping) else batch
-    for value in values:
-        if isinstance(value, (Tensor, Mapping, list, tuple)):
-            return batch_size_of(value)
-    raise UserError("cannot tell the batch size: a batch must contain at least one tensor")
-
-
-def split_step_output(output: StepOutput) -> tuple[Tensor, Mapping[str, Tensor | float]]:
-    if isinstance(output, tuple):
-        return output[0], output[1]
-    return output, {}
-
-
-def chunks(batches: Iterable[Any], size: int) -> Iterator[list[Any]]:
-    """Consecutive groups of ``size`` batches (the last may be shorter): one optimizer step."""
-    group: list[Any] = []
-    for batch in batches:
-        group.append(batch)
-        if len(group) == size:
-            yield group
-            group = []
-    if group:
-        yield group
 
 
 class _RollBack(Exception):
@@ -486,12 +437,30 @@ class BaseTrainer(abc.ABC):
         self.run_dir = self._prepare_run_dir()
         cfg = self.config
         self.precision = Precision(cfg.precision, self.device)
-        torch.manual_seed(cfg.seed)  # the same initial weights on every rank
+        self._setup_model()
+        self._setup_data()
+        optimizer = self.create_optimizer(self.model)
+        self.optimizer = self.strategy.wrap_optimizer(optimizer, self.model, cfg.grad_accum)
+        self.scheduler = self.create_scheduler(self.optimizer)
+        self.training_log = TrainingLog(self.run_dir / "training_log.csv")
+        self.nan_checker = self._create_nan_checker() if cfg.check_nans else None
+        self.checkpointer = Checkpointer(self, self.run_dir / "checkpoints")
+        self.checkpointer.restore()
+        if cfg.check_nans and cfg.on_nan == "rollback" and self.global_step == 0:
+            self.checkpointer.save(best=False)  # something to roll back to from step 1
+        self._start_records()
+
+    def _setup_model(self) -> None:
+        """The same initial weights on every rank, on the device, wrapped for the strategy."""
+        torch.manual_seed(self.config.seed)
         model = self.create_model().to(self.device)
-        seed_everything(cfg.seed + self.dist.rank)  # per-rank dropout, augmentation
+        seed_everything(self.config.seed + self.dist.rank)  # per-rank dropout, augmentation
         self.model = self.strategy.wrap_model(model, self.fsdp_units(model), self.precision.dtype)
-        if cfg.compile:
+        if self.config.compile:
             self.model = torch.compile(self.model)  # type: ignore[assignment]
+
+    def _setup_data(self) -> None:
+        """prepare_data on one process per node, then every rank's datasets and loaders."""
         if self.dist.is_local_main:
             self.prepare_data()
         self.strategy.barrier()
@@ -500,34 +469,28 @@ class BaseTrainer(abc.ABC):
             raise UserError("the training dataset is empty: check --data-dir")
         self.train_loader = self.create_dataloader(train_set, train=True)
         self.val_loader = None if val_set is None else self.create_dataloader(val_set, False)
-        optimizer = self.create_optimizer(self.model)
-        self.optimizer = self.strategy.wrap_optimizer(optimizer, self.model, cfg.grad_accum)
-        self.scheduler = self.create_scheduler(self.optimizer)
-        self.training_log = TrainingLog(self.run_dir / "training_log.csv")
-        self.nan_checker = None
-        if cfg.check_nans:
-            self.nan_checker = NanChecker(
-                self.strategy.eval_model(self.model),
-                self.dist.rank,
-                self.dist.world_size,
-                self.device,
-                self.strategy.all_reduce_sum,
-                self.strategy.all_gather_object,
-                self.run_dir / "nan_report.txt",
-            )
-        self.checkpointer = Checkpointer(self, self.run_dir / "checkpoints")
-        self.checkpointer.restore()
-        if cfg.check_nans and cfg.on_nan == "rollback" and self.global_step == 0:
-            self.checkpointer.save(best=False)  # something to roll back to from step 1
+
+    def _create_nan_checker(self) -> NanChecker:
+        return NanChecker(
+            self.strategy.eval_model(self.model),
+            self.dist.rank,
+            self.dist.world_size,
+            self.device,
+            self.strategy.all_reduce_sum,
+            self.strategy.all_gather_object,
+            self.run_dir / "nan_report.txt",
+        )
+
+    def _start_records(self) -> None:
+        """config.yaml, diagnostics and the tracker (rank 0); the Slurm deadline (all ranks)."""
         ranks = self.strategy.all_gather_object(diagnostics.this_rank(self.dist))
         if self.dist.is_main:
             text = self.resolved_config_yaml()
             (self.run_dir / "config.yaml").write_text(text)
             self.progress.info(f"dmltrain: {self.name} -> {self.run_dir}\n{text.rstrip()}")
             self._write_diagnostics(ranks)
-        if self.dist.is_main:
             self.tracker = create_tracker(
-                section(cfg, TrackingConfig),
+                section(self.config, TrackingConfig),
                 self.environment.wandb_mode,
                 self.run_dir,
                 self.tracking_run_id,
@@ -536,9 +499,11 @@ class BaseTrainer(abc.ABC):
                 self.progress.info,
             )
             self.tracking_run_id = self.tracker.run_id
-        self.watcher.deadline = self.strategy.broadcast_object(
-            self._deadline() if self.dist.is_main else None
-        )
+        deadline = None
+        if self.dist.is_main:  # rank 0 asks Slurm, once
+            minutes = self.config.stop_before_end_minutes
+            deadline = preemption.stop_deadline(self.dist.job_id, minutes, self.warn)
+        self.watcher.deadline = self.strategy.broadcast_object(deadline)
 
     def _write_diagnostics(self, ranks: list[dict[str, Any]]) -> None:
         try:
@@ -557,20 +522,6 @@ class BaseTrainer(abc.ABC):
         path = self.run_dir / "diagnostics.json"
         diagnostics.write(info, path)
         self.progress.info(diagnostics.summary(info, path))
-
-    def _deadline(self) -> float | None:
-        """When to checkpoint and stop before the Slurm time limit (rank 0 asks Slurm)."""
-        end = preemption.slurm_end_time(self.dist.job_id) if self.dist.job_id else None
-        if end is None:
-            return None
-        deadline = end - 60 * self.config.stop_before_end_minutes
-        if deadline <= time.time():  # stopping now would only requeue forever
-            self.warn(
-                f"--stop-before-end-minutes {self.config.stop_before_end_minutes} is more than "
-                f"the time left in job {self.dist.job_id}; not stopping early"
-            )
-            return None
-        return deadline
 
     # ----- checkpoints ----------------------------------------------------------------------
     def _improves_best(self, row: dict[str, Any]) -> bool:

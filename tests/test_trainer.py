@@ -5,7 +5,6 @@ import torch
 import torch.nn.functional as F
 
 from dmltrain import DistInfo, TrainConfig, UserError
-from dmltrain.trainer import batch_size_of, to_device
 from dmltrain.training_log import read_training_log
 from tiny import TinyOptions, TinyTrainer
 
@@ -149,12 +148,3 @@ def test_default_run_dir_uses_job_id(tmp_path, monkeypatch):
 def test_empty_training_set_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match="training dataset is empty"):
         fit(tmp_path, options=TinyOptions(samples=0))
-
-
-def test_nested_batches_move_and_count():
-    batch = {"x": torch.zeros(5, 2), "meta": [torch.ones(5), "id"]}
-    moved = to_device(batch, torch.device("cpu"))
-    assert moved["meta"][1] == "id" and torch.equal(moved["x"], batch["x"])
-    assert batch_size_of(batch) == 5
-    with pytest.raises(UserError):
-        batch_size_of(["a", "b"])
