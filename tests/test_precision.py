@@ -179,14 +179,15 @@ def test_compile_composes_with_precision_and_ddp(tmp_path):
 
 @pytest.mark.slow
 def test_mnist_bf16_and_fp16_reach_fp32_accuracy(tmp_path):
-    """Same epochs, same seed: mixed precision within 1 accuracy point of fp32."""
+    """Same epoch, same seed: mixed precision within 1 accuracy point of fp32. One epoch
+    (about 92% here): CPU autocast runs the CNN ten times slower than fp32."""
     accuracy = {}
     for kind in ("fp32", "bf16", "fp16"):
         run = tmp_path / kind
         done = run_cli(
             "mnist",
             "--epochs",
-            "2",
+            "1",
             "--precision",
             kind,
             "--data-dir",
@@ -200,7 +201,7 @@ def test_mnist_bf16_and_fp16_reach_fp32_accuracy(tmp_path):
         )
         assert done.returncode == 0, done.stderr[-2000:]
         accuracy[kind] = read_training_log(run / "training_log.csv")[-1]["val_acc"]
-    assert accuracy["fp32"] > 0.9
+    assert accuracy["fp32"] > 0.9, accuracy
     for kind in ("bf16", "fp16"):
         assert abs(accuracy[kind] - accuracy["fp32"]) <= 0.01, accuracy
 
