@@ -1,9 +1,11 @@
 """NaN/Inf checks that every rank agrees on: ``--check-nans``, ``--on-nan``.
 
-A check is one fused finiteness reduction per group of tensors (the 2-norms of all of
-them, computed in fp32 by one ``_foreach_norm``: NaN or Inf anywhere makes its tensor's norm
-non-finite; so do values beyond about 1e19, which overflow the norm and are no better),
-then one collective that tells every rank which ranks saw what; only then is there a host sync.
+A check is one finiteness reduction per group of tensors, in fp32: on a GPU the 2-norms of
+all of them by one fused ``_foreach_norm`` (NaN or Inf anywhere makes its tensor's norm
+non-finite; so do values beyond about 1e19, which overflow the norm and are no better), on
+the CPU their sums (the same for NaN and Inf; finite values overflow only beyond about
+3e38); then one collective that tells every rank which ranks saw what; only then is there a
+host sync.
 Every rank therefore takes the same decision in the same step. Naming the offending
 parameters is the slow path, taken only after a failure.
 
@@ -11,7 +13,7 @@ Under DDP a gradient that is non-finite on one rank before the all-reduce is non
 every rank after it; the loss check (local to each rank) is what names the rank then.
 """
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,8 +36,13 @@ def nonfinite(tensors: Iterable[Tensor], device: torch.device) -> Tensor:
     local = [t for t in (_local(t.detach()) for t in tensors) if t.numel()]
     if not local:
         return torch.zeros((), dtype=torch.bool, device=device)
-    norms = torch._foreach_norm(local, 2, dtype=torch.float32)
-    return ~torch.isfinite(torch.stack([n.to(device) for n in norms])).all()
+    if local[0].device.type == "cpu":
+        # The CPU runs _foreach_norm tensor by tensor; a plain sum reads the same memory
+        # at 2.5x the speed, and NaN or Inf anywhere makes it non-finite as well.
+        reduced: Sequence[Tensor] = [t.sum(dtype=torch.float32) for t in local]
+    else:
+        reduced = torch._foreach_norm(local, 2, dtype=torch.float32)  # one fused kernel
+    return ~torch.isfinite(torch.stack([r.to(device) for r in reduced])).all()
 
 
 @dataclass

@@ -38,6 +38,10 @@ def test_nonfinite_is_one_flag_for_many_tensors():
     assert nonfinite([*good, torch.tensor([1.0, float("nan")])], torch.device("cpu"))
     assert nonfinite([torch.tensor([float("-inf")], dtype=torch.bfloat16)], torch.device("cpu"))
     assert not nonfinite([], torch.device("cpu"))
+    # +Inf and -Inf together cancel to NaN, never to a finite value
+    assert nonfinite([torch.tensor([float("inf"), float("-inf")])], torch.device("cpu"))
+    # large finite half-precision values are reduced in fp32: 100 x 60000 does not overflow
+    assert not nonfinite([torch.full((100,), 60000.0, dtype=torch.float16)], torch.device("cpu"))
 
 
 @pytest.mark.parametrize("into", ["loss", "gradient"])
