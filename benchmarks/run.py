@@ -62,10 +62,12 @@ def targets(reports: dict) -> list[tuple[str, str, str, bool]]:
                      f"(identical loops: {low:.3f}-{high:.3f}x)", f"lower by > {margin:.3f}",
                      all(ratio < v - margin for v in peers.values())))  # fmt: skip
     extra = reports.get("startup", {}).get("seconds_over_torch", {})
+    walls = reports.get("startup", {}).get("wall_seconds_over_torch", {})
     for name in ("import dmltrain", "dmltrain --help"):
         if name in extra:
-            rows.append((f"`{name}` over `import torch`", f"{extra[name]:+.2f} s", "<= 0.3 s",
-                         extra[name] <= 0.3))  # fmt: skip
+            rows.append((f"`{name}` over `import torch` (after it, in one process)",
+                         f"{extra[name]:+.2f} s (fresh processes: {walls[name]:+.2f} s)",
+                         "<= 0.3 s", extra[name] <= 0.3))  # fmt: skip
     start = reports.get("startup", {}).get("ratios", {})
     if "first step dmltrain / plain" in start:
         r = start["first step dmltrain / plain"]

@@ -5,9 +5,13 @@ optimizer step, against ``import torch`` and the plain loop, with Lightning and 
     python benchmarks/startup.py --quick    # 2 rounds
 
 Every command runs in a fresh process, the commands interleaved round by round; reported
-is the median wall time. Time to first step: from just before the process is started to
-the start of the second training forward (one whole step done), for the MNIST CNN trained
-as in ``overhead.py``.
+is the median wall time. On a shared machine ``import torch`` alone swings by a second
+from one process to the next (the files it maps are read anew), which drowns a 0.3 s
+target; so each command also runs in a process that imports torch first and times only
+what the command adds after that (median of the rounds): that is what the targets on
+``import dmltrain`` and ``--help`` are judged by, both figures shown. Time to first step:
+from just before the process is started to the start of the second training forward (one
+whole step done), for the MNIST CNN trained as in ``overhead.py``.
 """
 
 import argparse
@@ -30,12 +34,33 @@ COMMANDS = {
     "import accelerate": ["-c", "import accelerate"],
 }
 FIRST_STEP = ["plain", "dmltrain", "lightning", "accelerate"]
+# The same commands after ``import torch`` in one process: prints the seconds they add.
+# ``-m`` runs the module as ``python -m`` would (argv, SystemExit and output as there).
+AFTER_TORCH = """
+import contextlib, os, runpy, sys, time
+import torch
+started = time.perf_counter()
+args = sys.argv[1:]
+if args[0] == "-c":
+    exec(args[1])
+else:
+    sys.argv = [args[1], *args[2:]]
+    with open(os.devnull, "w") as null, contextlib.redirect_stdout(null):
+        try:
+            runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+        except SystemExit as exc:
+            assert exc.code in (0, None), exc.code
+print(time.perf_counter() - started, file=sys.stderr)
+"""
 
 
 def wall(args: list[str]) -> dict:
     started = time.perf_counter()
     subprocess.run([sys.executable, *args], check=True, capture_output=True, cwd=ROOT)
-    return {"s": time.perf_counter() - started}
+    seconds = time.perf_counter() - started
+    done = subprocess.run([sys.executable, "-c", AFTER_TORCH, *args], check=True,
+                          capture_output=True, text=True, cwd=ROOT)  # fmt: skip
+    return {"s": seconds, "after_torch": float(done.stderr.strip().splitlines()[-1])}
 
 
 def first_step(name: str, run_dir: str) -> dict:
@@ -66,15 +91,19 @@ def main(argv: list[str] | None = None) -> dict:
     plain_s = statistics.median(r["s"] for r in steps["plain"])
     lines = [
         f"startup: fresh processes, median of {rounds}, interleaved",
-        "| command | seconds | minus `import torch` | vs `import torch` |",
-        "|---|---|---|---|",
+        "| command | seconds | minus `import torch` | vs `import torch` "
+        "| added after `import torch` in one process |",
+        "|---|---|---|---|---|",
     ]
-    ratios, extra = {}, {}
+    ratios, extra, wall_extra = {}, {}, {}
     for name, rows in times.items():
         s = statistics.median(r["s"] for r in rows)
-        lines.append(f"| `{name}` | {s:.2f} | {s - torch_s:+.2f} | {s / torch_s:.2f}x |")
+        added = statistics.median(r["after_torch"] for r in rows)
+        lines.append(
+            f"| `{name}` | {s:.2f} | {s - torch_s:+.2f} | {s / torch_s:.2f}x | {added:+.3f} |"
+        )
         ratios[f"{name} / import torch"] = s / torch_s
-        extra[name] = s - torch_s
+        extra[name], wall_extra[name] = added, s - torch_s
     lines += ["", "| time to first step (MNIST CNN) | seconds | vs plain loop |", "|---|---|---|"]
     for name, rows in steps.items():
         s = statistics.median(r["s"] for r in rows)
@@ -82,7 +111,12 @@ def main(argv: list[str] | None = None) -> dict:
         ratios[f"first step {name} / plain"] = s / plain_s
     text = "\n".join(lines)
     print(text, flush=True)
-    return {"markdown": text, "ratios": ratios, "seconds_over_torch": extra}
+    return {
+        "markdown": text,
+        "ratios": ratios,
+        "seconds_over_torch": extra,  # same process: what the targets are judged by
+        "wall_seconds_over_torch": wall_extra,
+    }
 
 
 if __name__ == "__main__":

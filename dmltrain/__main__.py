@@ -2,6 +2,6 @@
 
 import sys
 
-from dmltrain.cli import main
+from dmltrain.cli import entry
 
-sys.exit(main())
+sys.exit(entry())

@@ -1,6 +1,8 @@
+import gc
 import shutil
 import struct
 import subprocess
+import sys
 import textwrap
 from dataclasses import dataclass, field
 
@@ -189,3 +191,22 @@ def test_plot_writes_a_png_of_the_curves(tmp_path):
     assert missing.returncode == 2
     (line,) = missing.stderr.strip().splitlines()
     assert "training_log.csv does not exist: pass a run directory" in line
+
+
+def test_only_the_command_freezes_what_it_imported():
+    """``dmltrain`` (``entry``) takes its imports out of the collector's passes; ``main``,
+    called from a script or notebook, leaves the caller's collector as it was."""
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    assert gc.get_freeze_count() == 0
+    probe = (
+        "import gc, sys\n"
+        "from dmltrain.cli import entry\n"
+        "sys.argv = ['dmltrain', '--help']\n"
+        "try:\n    entry()\nexcept SystemExit as exc:\n    assert exc.code == 0\n"
+        "print(gc.get_freeze_count(), file=sys.stderr)\n"
+    )
+    frozen = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert frozen.returncode == 0, frozen.stderr
+    assert int(frozen.stderr.split()[-1]) > 100_000  # torch's objects among them
