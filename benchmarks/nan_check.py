@@ -1,14 +1,16 @@
 """What ``--check-nans`` costs per training step.
 
-    python benchmarks/nan_check.py            # MNIST CNN, batch 64, 150 steps, 3 processes
+    python benchmarks/nan_check.py            # MNIST CNN, batch 64, 150 steps, 5 processes
     python benchmarks/nan_check.py --quick    # 30 steps, 1 process (a smoke test)
 
 The MNIST CNN on random MNIST-shaped data held in memory, trained by dmltrain with and
 without ``--check-nans`` in one process, taking turns step by step (``common.rotate``, as
 in ``overhead.py``: separate runs drift apart with the machine's load), each step timed by
-the same clock (``common.Clocked``). Repeated in a few fresh processes (who goes first
-alternates); reported: the median time per step of each and the median of the processes'
-ratios. Logging off, no checkpoints inside the loop, one process, the device given.
+the same clock (``common.Clocked``). A second unchecked run takes its turns beside them:
+how far two identical runs land apart is the resolution of the ratio. Repeated in a few
+fresh processes (who goes first rotates); reported: the median time per step of each and
+the median and range of the processes' ratios. Logging off, no checkpoints inside the
+loop, one process, the device given.
 """
 
 import argparse
@@ -57,15 +59,18 @@ class Bench(BaseTrainer):
         return F.cross_entropy(self.model(x), y)
 
 
-def run(check: bool, steps: int, block: int, device: str, root: Path) -> float:
+RUNS = ["off", "on", "off-twin"]  # the unchecked run, the checked one, the unchecked again
+
+
+def run(name: str, steps: int, block: int, device: str, root: Path) -> float:
     config = TrainConfig(
         epochs=1,
         batch_size=64,
-        check_nans=check,
+        check_nans=name == "on",
         progress="off",
         wandb_mode="disabled",
         keep_last=1,
-        run_dir=str(root / ("on" if check else "off")),
+        run_dir=str(root / name),
     )
     trainer = Bench(config, dist=single_process(device))
     trainer.steps, trainer.block = steps, block
@@ -74,14 +79,15 @@ def run(check: bool, steps: int, block: int, device: str, root: Path) -> float:
 
 
 def worker(args: argparse.Namespace) -> None:
-    order = [False, True] if args.worker == "off-first" else [True, False]
+    first = RUNS.index(args.worker)
+    order = RUNS[first:] + RUNS[:first]
     runs = {
-        check: functools.partial(run, check, args.steps, args.block, args.device, Path(args.root))
-        for check in order
+        name: functools.partial(run, name, args.steps, args.block, args.device, Path(args.root))
+        for name in order
     }
     with contextlib.redirect_stdout(io.StringIO()):  # the runs' banners and epoch lines
         times = rotate(runs)  # type: ignore[arg-type]
-    print(json.dumps({"off": times[False], "on": times[True]}), flush=True)
+    print(json.dumps(times), flush=True)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -96,7 +102,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.worker:
         worker(args)
         return {}
-    steps, processes = (30, 1) if args.quick else (150, 3)
+    steps, processes = (30, 1) if args.quick else (150, 5)
     block = 1 if args.device == "cpu" else 20  # the clock syncs a GPU at every turn
     root = Path(tempfile.mkdtemp(prefix="dmltrain-nan-bench-"))
     results = [
@@ -104,7 +110,7 @@ def main(argv: list[str] | None = None) -> dict:
             Path(__file__),
             [
                 "--worker",
-                "off-first" if i % 2 == 0 else "on-first",
+                RUNS[i % len(RUNS)],  # who goes first
                 "--steps",
                 str(steps),
                 "--block",
@@ -117,23 +123,31 @@ def main(argv: list[str] | None = None) -> dict:
         )
         for i in range(processes)
     ]
-    off, on = median(results, "off"), median(results, "on")
-    ratios = [r["on"] / r["off"] for r in results]
-    ratio = statistics.median(ratios)
+    ms = {name: 1000 * median(results, name) for name in RUNS}
+    ratios = {name: [r[name] / r["off"] for r in results] for name in ("on", "off-twin")}
+    ratio = statistics.median(ratios["on"])
     text = "\n".join(
         [
             f"nan-check: MNIST CNN, batch 64, {steps} timed steps each, taking turns every "
             f"{block} step(s) in one process, {processes} fresh process(es), device "
             f"{args.device}; ratio: median (range) of the processes'",
-            "| run | ms per step | vs unchecked |",
-            "|---|---|---|",
-            f"| unchecked | {1000 * off:.2f} | 1.000x |",
-            f"| --check-nans | {1000 * on:.2f} | {ratio:.3f}x ({min(ratios):.3f}-"
-            f"{max(ratios):.3f}) |",
+            "| run | ms per step | vs unchecked | range |",
+            "|---|---|---|---|",
+            f"| unchecked | {ms['off']:.2f} | 1.000x | |",
+            *(
+                f"| {label} | {ms[name]:.2f} | {statistics.median(ratios[name]):.3f}x | "
+                f"{min(ratios[name]):.3f}-{max(ratios[name]):.3f} |"
+                for name, label in (("on", "--check-nans"), ("off-twin", "unchecked again"))
+            ),
         ]
     )
     print(text, flush=True)
-    return {"markdown": text, "ratios": {"nan-check: on / off": ratio}}
+    twin = ratios["off-twin"]
+    return {
+        "markdown": text,
+        "ratios": {"nan-check: on / off": ratio},
+        "twin_range": (min(twin), max(twin)),
+    }
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 optimizer step, against ``import torch`` and the plain loop, with Lightning and Accelerate.
 
     python benchmarks/startup.py            # 5 rounds
-    python benchmarks/startup.py --quick    # 2 rounds
+    python benchmarks/startup.py --quick    # 1 round (a smoke test)
 
 Every command runs in a fresh process, the commands interleaved round by round; reported
 is the median wall time. On a shared machine ``import torch`` alone swings by a second
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args(argv)
-    rounds = 2 if args.quick else 5
+    rounds = 1 if args.quick else 5
     commands = {
         k: v
         for k, v in COMMANDS.items()
