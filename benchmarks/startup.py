@@ -54,7 +54,8 @@ print(time.perf_counter() - started, file=sys.stderr)
 """
 
 
-def wall(args: list[str]) -> dict:
+def command_times(args: list[str]) -> dict:
+    """Wall seconds of ``args`` in a fresh process, and what it adds after ``import torch``."""
     started = time.perf_counter()
     subprocess.run([sys.executable, *args], check=True, capture_output=True, cwd=ROOT)
     seconds = time.perf_counter() - started
@@ -80,7 +81,7 @@ def main(argv: list[str] | None = None) -> dict:
         for k, v in COMMANDS.items()
         if not k.startswith("import ") or available(k.split()[1]) or k.endswith("torch")
     }
-    times = interleaved(list(commands), rounds, lambda k: wall(commands[k]))
+    times = interleaved(list(commands), rounds, lambda k: command_times(commands[k]))
     import tempfile
 
     tmp = tempfile.mkdtemp(prefix="dmltrain-startup-")
