@@ -34,18 +34,31 @@ def _to_device(batch: Any, device: torch.device) -> Any:
 def batch_size_of(batch: Any) -> int:
     """The number of samples in a batch: the leading dimension of its first tensor."""
     if isinstance(batch, Tensor):
-        return int(batch.shape[0])
-    values = batch.values() if isinstance(batch, Mapping) else batch
+        return batch.shape[0]
+    # list and tuple first: the Mapping check is an ABC's, slower than a step can afford
+    if isinstance(batch, (list, tuple)):
+        values: Iterable[Any] = batch
+    else:
+        values = batch.values() if isinstance(batch, Mapping) else ()
     for value in values:
-        if isinstance(value, (Tensor, Mapping, list, tuple)):
+        if isinstance(value, Tensor):
+            return value.shape[0]
+        if isinstance(value, (list, tuple, Mapping)):
             return batch_size_of(value)
     raise UserError("cannot tell the batch size: a batch must contain at least one tensor")
 
 
 def split_step_output(output: StepOutput) -> tuple[Tensor, Mapping[str, Tensor | float]]:
-    """``train_step``'s return value as (loss, metrics): a bare loss has no metrics."""
+    """``train_step``'s return value as (loss, metrics): a bare loss has no metrics. The
+    metrics are detached (they are kept for a while, see ``MetricAccumulator``)."""
     if isinstance(output, tuple):
-        return output[0], output[1]
+        loss, metrics = output
+        if not isinstance(metrics, Mapping):
+            raise UserError(
+                "train_step must return the loss or (loss, dict of metrics); the second "
+                f"element is a {type(metrics).__name__}"
+            )
+        return loss, {k: v.detach() if isinstance(v, Tensor) else v for k, v in metrics.items()}
     return output, {}
 
 

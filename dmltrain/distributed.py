@@ -92,9 +92,9 @@ class Strategy:
     def sync_gradients(self, optimizer: Any) -> None:
         """Make gradients final (reduced) before they are unscaled, checked or clipped."""
 
-    def step_context(self, optimizer: Any) -> contextlib.AbstractContextManager[Any]:
-        """Around the optimizer step, after ``sync_gradients``."""
-        return contextlib.nullcontext()
+    def optimizer_step(self, step: Callable[[Any], None], optimizer: Any) -> None:
+        """``step(optimizer)``: the update, after ``sync_gradients``."""
+        step(optimizer)
 
     def train_sampler(self, dataset: Dataset, seed: int) -> ResumableSampler:
         """The same global permutation for any world size; rank r takes every w-th sample."""
@@ -320,8 +320,9 @@ class HorovodStrategy(Strategy):
     def sync_gradients(self, optimizer: Any) -> None:
         optimizer.synchronize()
 
-    def step_context(self, optimizer: Any) -> contextlib.AbstractContextManager[Any]:
-        return optimizer.skip_synchronize()
+    def optimizer_step(self, step: Callable[[Any], None], optimizer: Any) -> None:
+        with optimizer.skip_synchronize():  # synchronize() ran in sync_gradients
+            step(optimizer)
 
     def all_reduce_sum(self, tensor: Tensor) -> Tensor:
         return self.hvd.allreduce(tensor, op=self.hvd.Sum)

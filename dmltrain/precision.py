@@ -7,13 +7,15 @@ scaled gradients overflowed is normal in fp16: it is counted (on the device, no 
 reported as ``skipped_steps``, not treated as a NaN.
 """
 
-import contextlib
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
 from dmltrain.errors import UserError, first_line
+
+T = TypeVar("T")
 
 DTYPES = {"fp32": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -55,10 +57,13 @@ class Precision:
         self.scaler = torch.amp.GradScaler(device.type) if kind == "fp16" else None
         self.skipped = torch.zeros((), dtype=torch.int64, device=device)  # overflow steps
 
-    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+    def forward(self, fn: Callable[[Any], T], batch: Any) -> T:
+        """``fn(batch)`` under autocast (backward runs outside it, as torch advises);
+        in fp32 a plain call: no context to enter at every step."""
         if self.dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.dtype)
+            return fn(batch)
+        with torch.autocast(self.device.type, dtype=self.dtype):
+            return fn(batch)
 
     def backward(self, loss: Tensor) -> None:
         (loss if self.scaler is None else self.scaler.scale(loss)).backward()

@@ -304,16 +304,22 @@ class BaseTrainer(abc.ABC):
     def _optimizer_step(
         self, micro_batches: list[Any], metrics: MetricAccumulator, epoch: int, step: int
     ) -> None:
-        """Forward and backward of each micro-batch, checks, clipping, the update."""
+        """Forward and backward of each micro-batch, checks, clipping, the update.
+
+        This is the loop's own cost over a hand-written one (benchmarks/overhead.py), so the
+        usual step (one micro-batch, no anomaly mode, fp32) enters no context and calls few
+        Python functions: each costs a microsecond or more between torch's kernels."""
         cfg, precision, checker = self.config, self.precision, self.nan_checker
         self.optimizer.zero_grad()  # set_to_none is the default
         results = []
+        last = len(micro_batches) - 1
         for i, batch in enumerate(micro_batches):
             batch = to_device(batch, self.device)
-            with self._micro_batch_context(last=i == len(micro_batches) - 1):
-                with precision.autocast():
-                    loss, step_metrics = split_step_output(self.train_step(batch))
-                precision.backward(loss / len(micro_batches) if len(micro_batches) > 1 else loss)
+            if i == last and not cfg.detect_anomaly:
+                loss, step_metrics = self._forward_backward(batch, last + 1)
+            else:
+                with self._micro_batch_context(last=i == last):
+                    loss, step_metrics = self._forward_backward(batch, last + 1)
             results.append((loss.detach(), step_metrics, batch_size_of(batch)))
         self.on_after_backward()
         self.strategy.sync_gradients(self.optimizer)
@@ -328,8 +334,7 @@ class BaseTrainer(abc.ABC):
                 return  # skipped on every rank
         if cfg.grad_clip:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
-        with self.strategy.step_context(self.optimizer):
-            precision.step(self.optimizer)
+        self.strategy.optimizer_step(precision.step, self.optimizer)
         if checker is not None:
             flags = checker.flags(None, gradients=False, parameters=True)
             event = checker.agree(flags, epoch, step, self.global_step + 1)
@@ -340,11 +345,18 @@ class BaseTrainer(abc.ABC):
         for loss, step_metrics, n in results:
             metrics.update({"loss": loss, **step_metrics}, n)
 
-    def _micro_batch_context(self, last: bool) -> contextlib.AbstractContextManager[Any]:
+    def _forward_backward(
+        self, batch: Any, micro_batches: int
+    ) -> tuple[Tensor, Mapping[str, Tensor | float]]:
+        """``train_step`` under the precision's autocast, then its (scaled) backward."""
+        precision = self.precision
+        loss, step_metrics = split_step_output(precision.forward(self.train_step, batch))
+        precision.backward(loss / micro_batches if micro_batches > 1 else loss)
+        return loss, step_metrics
+
+    def _micro_batch_context(self, last: bool) -> contextlib.ExitStack:
         """Around forward and backward of a micro-batch: no gradient sync before the last
         one of an accumulation; anomaly mode when asked for."""
-        if last and not self.config.detect_anomaly:
-            return contextlib.nullcontext()
         stack = contextlib.ExitStack()
         if not last:
             stack.enter_context(self.strategy.no_sync(self.model))
@@ -416,8 +428,7 @@ class BaseTrainer(abc.ABC):
             metrics = MetricAccumulator(self.device)
             for batch in self.val_loader:
                 batch = to_device(batch, self.device)
-                with self.precision.autocast():
-                    step_metrics = self.val_step(batch)
+                step_metrics = self.precision.forward(self.val_step, batch)
                 metrics.update(step_metrics, batch_size_of(batch))
         finally:
             self.model = wrapped

@@ -22,9 +22,10 @@ def test_cpu_batches_pass_through_unchanged():
     assert to_device(batch, torch.device("cpu")) is batch
 
 
-def test_a_batch_without_tensors_is_a_user_error():
+@pytest.mark.parametrize("batch", [["a", "b"], 7, "text", {}])
+def test_a_batch_without_tensors_is_a_user_error(batch):
     with pytest.raises(UserError, match="at least one tensor"):
-        batch_size_of(["a", "b"])
+        batch_size_of(batch)
 
 
 def test_chunks_group_micro_batches_and_keep_the_rest():
@@ -37,3 +38,16 @@ def test_step_output_is_a_loss_or_a_loss_and_metrics():
     loss = torch.tensor(1.5)
     assert split_step_output(loss) == (loss, {})
     assert split_step_output((loss, {"acc": 0.5})) == (loss, {"acc": 0.5})
+
+
+def test_step_metrics_are_detached_and_must_be_a_dict():
+    """The accumulator keeps a step's metrics for a while: one that requires grad must
+    not hold its autograd graph (and the activations it saved) that long."""
+    w = torch.ones(3, requires_grad=True)
+    loss = (w * 2).sum()
+    out_loss, metrics = split_step_output((loss, {"aux": (w * 3).sum(), "n": 1}))
+    assert out_loss is loss and out_loss.requires_grad
+    assert not metrics["aux"].requires_grad and metrics["aux"].item() == 9.0
+    assert metrics["n"] == 1
+    with pytest.raises(UserError, match=r"\(loss, dict of metrics\).*second element is a float"):
+        split_step_output((loss, 0.5))

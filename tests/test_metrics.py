@@ -1,6 +1,10 @@
+import gc
+import weakref
+
 import pytest
 import torch
 
+from dmltrain import UserError
 from dmltrain.metrics import MetricAccumulator
 
 
@@ -43,3 +47,45 @@ def test_state_dict_is_a_snapshot_and_restores():
     assert restored.compute() == {"loss": pytest.approx(1.0), "acc": pytest.approx(0.5)}
     restored.update({"loss": torch.tensor(3.0), "acc": 1.0}, 2)
     assert restored.compute() == acc.compute() == {"loss": 2.0, "acc": 0.75}
+
+
+def test_kept_values_are_summed_exactly_across_flushes():
+    """Steps are kept and summed in groups of ``keep``: the means are those of summing every
+    step at once, with the last, smaller batch weighted by its size."""
+    acc = MetricAccumulator("cpu", keep=3)
+    for i in range(10):
+        n = 2 if i < 9 else 1
+        acc.update({"loss": torch.tensor(float(i)), "acc": 0.5, "half": torch.tensor([1.5])}, n)
+    assert acc.count == 19
+    assert acc.compute() == {
+        "loss": pytest.approx((2 * sum(range(9)) + 9) / 19),
+        "acc": pytest.approx(0.5),
+        "half": pytest.approx(1.5),
+    }
+
+
+def test_kept_tensors_are_released_after_keep_steps():
+    acc = MetricAccumulator("cpu", keep=4)
+    refs = []
+    for i in range(7):  # step 0 is summed at once, steps 1-4 when 4 are kept
+        value = torch.tensor(float(i))
+        refs.append(weakref.ref(value))
+        acc.update({"loss": value}, 1)
+        del value
+    gc.collect()
+    held = [i for i, ref in enumerate(refs) if ref() is not None]
+    assert held == [5, 6]
+    assert acc.compute()["loss"] == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        (torch.ones(3), r"'x' is a tensor of shape \(3,\).*single numbers"),
+        ("high", r"'x' is a str: .*numbers or one-element tensors"),
+    ],
+)
+def test_a_bad_metric_fails_at_the_first_step(value, message):
+    acc = MetricAccumulator("cpu")
+    with pytest.raises(UserError, match=message):
+        acc.update({"loss": torch.tensor(1.0), "x": value}, 1)

@@ -32,13 +32,13 @@ def test_unavailable_precision_is_a_clear_error():
     check_available("fp32", torch.device("meta"))
 
 
-@pytest.mark.parametrize("kind", ["fp16", "bf16"])
-def test_autocast_computes_in_the_chosen_dtype(kind):
+@pytest.mark.parametrize("kind", ["fp32", "fp16", "bf16"])
+def test_forward_computes_in_the_chosen_dtype(kind):
     precision = Precision(kind, torch.device("cpu"))
-    with precision.autocast():
-        out = torch.ones(4, 4) @ torch.ones(4, 4)
-    assert out.dtype == precision.dtype
+    out = precision.forward(lambda x: x @ x, torch.ones(4, 4))
+    assert out.dtype == (precision.dtype or torch.float32)
     assert (precision.scaler is not None) == (kind == "fp16")
+    assert (torch.ones(4, 4) @ torch.ones(4, 4)).dtype == torch.float32  # autocast left
 
 
 def test_fp16_overflow_is_skipped_and_counted_not_a_nan(tmp_path):
