@@ -15,10 +15,11 @@ class MetricAccumulator:
     host; ``compute`` syncs once.
 
     ``update`` only keeps a step's values (no kernel, no host sync: a step costs a list
-    append). They are summed into the running totals, one stack and sum per metric, at the
-    first step (so a bad value fails there), every ``keep`` steps (which bounds the
-    tensors held) and whenever the totals are read or saved. Tensors handed to ``update``
-    must not require grad: they are held until then.
+    append). They are summed into the running totals, one stack and sum per metric, after
+    the first step (so a bad value fails there) and then every ``keep`` steps, which bounds
+    the tensors held. Where the groups fall depends on the step count alone, and the kept
+    values travel in ``state_dict``: a run resumed mid-epoch adds in the same order, bit
+    for bit, as one never interrupted. Tensors handed to ``update`` must not require grad.
 
     ``compute(reduce=...)`` lets a distributed caller sum the packed totals across ranks
     with one collective before dividing.
@@ -29,25 +30,30 @@ class MetricAccumulator:
         self.keep = keep
         self._sums: dict[str, Tensor | float] = {}
         self._kept: list[tuple[Values, int]] = []
+        self._steps = 0
         self._count = 0
 
     def update(self, metrics: Values, n: int) -> None:
         self._kept.append((metrics, n))
         self._count += n
-        if len(self._kept) >= self.keep or not self._sums:
-            self._sum_kept()
+        self._steps += 1
+        if self._steps == 1 or len(self._kept) >= self.keep:
+            self._sums, self._kept = self._totals(), []
 
-    def _sum_kept(self) -> None:
-        kept, self._kept = self._kept, []
+    def _totals(self) -> dict[str, Tensor | float]:
+        """The running totals with the kept steps added (read only: reading the metrics
+        must not move where the groups fall)."""
         columns: dict[str, dict[int, list[Tensor | float]]] = {}  # name -> n -> values
-        for metrics, n in kept:
+        for metrics, n in self._kept:
             for name, value in metrics.items():
                 columns.setdefault(name, {}).setdefault(n, []).append(value)
+        totals = dict(self._sums)
         for name, by_count in columns.items():
-            total = self._sums.get(name, 0.0)
+            total = totals.get(name, 0.0)
             for n, values in by_count.items():
                 total = total + n * self._sum(name, values)
-            self._sums[name] = total
+            totals[name] = total
+        return totals
 
     def _sum(self, name: str, values: list[Tensor | float]) -> Tensor | float:
         tensors = [v for v in values if isinstance(v, Tensor)]
@@ -74,18 +80,22 @@ class MetricAccumulator:
         return stacked.sum() + number
 
     def state_dict(self) -> dict:
-        self._sum_kept()
         # copies: the totals go on growing after a checkpoint took them
-        sums = {
-            k: v.to("cpu", copy=True) if isinstance(v, Tensor) else v for k, v in self._sums.items()
-        }
-        return {"sums": sums, "count": self._count}
+        def copy(values: Values) -> dict[str, Tensor | float]:
+            return {
+                k: v.to("cpu", copy=True) if isinstance(v, Tensor) else v for k, v in values.items()
+            }
+
+        kept = [(copy(metrics), n) for metrics, n in self._kept]
+        return {"sums": copy(self._sums), "kept": kept, "steps": self._steps, "count": self._count}
 
     def load_state_dict(self, state: dict) -> None:
-        self._sums = {
-            k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in state["sums"].items()
-        }
-        self._kept = []
+        def to_device(values: Values) -> dict[str, Tensor | float]:
+            return {k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in values.items()}
+
+        self._sums = to_device(state["sums"])
+        self._kept = [(to_device(metrics), n) for metrics, n in state.get("kept", [])]
+        self._steps = int(state.get("steps", 1))  # older checkpoints kept nothing unsummed
         self._count = int(state["count"])
 
     @property
@@ -93,9 +103,9 @@ class MetricAccumulator:
         return self._count
 
     def compute(self, reduce: Callable[[Tensor], Tensor] | None = None) -> dict[str, float]:
-        self._sum_kept()
-        names = list(self._sums)  # insertion order: the order the step returned them
-        values = [torch.as_tensor(self._sums[n], device=self.device).float() for n in names]
+        sums = self._totals()
+        names = list(sums)  # insertion order: the order the step returned them
+        values = [torch.as_tensor(sums[n], device=self.device).float() for n in names]
         count = torch.tensor(float(self._count), device=self.device)
         packed = torch.stack([*values, count])
         if reduce is not None:

@@ -89,3 +89,26 @@ def test_a_bad_metric_fails_at_the_first_step(value, message):
     acc = MetricAccumulator("cpu")
     with pytest.raises(UserError, match=message):
         acc.update({"loss": torch.tensor(1.0), "x": value}, 1)
+
+
+@pytest.mark.parametrize("cut", [1, 2, 8, 9, 63, 150])
+def test_a_resumed_accumulator_adds_bit_for_bit_like_one_never_interrupted(cut):
+    """The groups that are summed together fall by step count alone, and the steps kept
+    unsummed travel in the state: a mid-epoch resume (and reading the metrics for the
+    progress line) leaves the epoch's mean bitwise the same."""
+    g = torch.Generator().manual_seed(0)
+    values = [torch.rand((), generator=g) * 3 for _ in range(200)]
+
+    def run(cut=None, read_every=None):
+        acc = MetricAccumulator("cpu", keep=8)
+        for i, value in enumerate(values):
+            if i == cut:
+                state = acc.state_dict()
+                acc = MetricAccumulator("cpu", keep=8)
+                acc.load_state_dict(state)
+            if read_every and i % read_every == 0:
+                acc.compute()
+            acc.update({"loss": value}, 64 if i < 199 else 5)
+        return acc.compute()["loss"]
+
+    assert run(cut=cut) == run(read_every=37) == run()
