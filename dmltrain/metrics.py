@@ -5,6 +5,8 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor
 
+from dmltrain.batches import to_device
+from dmltrain.checkpoint import snapshot
 from dmltrain.errors import UserError
 
 Values = Mapping[str, Tensor | float]
@@ -81,20 +83,12 @@ class MetricAccumulator:
 
     def state_dict(self) -> dict:
         # copies: the totals go on growing after a checkpoint took them
-        def copy(values: Values) -> dict[str, Tensor | float]:
-            return {
-                k: v.to("cpu", copy=True) if isinstance(v, Tensor) else v for k, v in values.items()
-            }
-
-        kept = [(copy(metrics), n) for metrics, n in self._kept]
-        return {"sums": copy(self._sums), "kept": kept, "steps": self._steps, "count": self._count}
+        sums, kept = snapshot(self._sums), snapshot(self._kept)
+        return {"sums": sums, "kept": kept, "steps": self._steps, "count": self._count}
 
     def load_state_dict(self, state: dict) -> None:
-        def to_device(values: Values) -> dict[str, Tensor | float]:
-            return {k: v.to(self.device) if isinstance(v, Tensor) else v for k, v in values.items()}
-
-        self._sums = to_device(state["sums"])
-        self._kept = [(to_device(metrics), n) for metrics, n in state.get("kept", [])]
+        self._sums = to_device(state["sums"], self.device)
+        self._kept = to_device(state.get("kept", []), self.device)
         self._steps = int(state.get("steps", 1))  # older checkpoints kept nothing unsummed
         self._count = int(state["count"])
 
