@@ -75,11 +75,15 @@ class MetricAccumulator:
                 f"metric {name!r} is a tensor of shape {tuple(odd.shape)}: a step's metrics "
                 "must be single numbers (reduce it, e.g. with .mean())"
             )
-        # on the tensors' own device: a CPU metric of a GPU run adds to the total as a
-        # scalar, with no copy that would wait for the GPU
-        device = tensors[0].device
-        stacked = torch.stack([t.reshape(()).to(device, torch.float32) for t in tensors])
-        return stacked.sum() + number
+        try:  # the usual case, one stack: the same shape on one device (a call per
+            # tensor, as below, costs 3 us each: a few us a step)
+            stacked = torch.stack(tensors)
+        except RuntimeError:
+            # on the first tensor's device: a CPU metric of a GPU run adds to the total
+            # as a scalar, with no copy that would wait for the GPU
+            device = tensors[0].device
+            stacked = torch.stack([t.reshape(()).to(device) for t in tensors])
+        return stacked.sum(dtype=torch.float32) + number
 
     def state_dict(self) -> dict:
         # copies: the totals go on growing after a checkpoint took them

@@ -64,6 +64,24 @@ def test_kept_values_are_summed_exactly_across_flushes():
     }
 
 
+def test_metrics_of_mixed_shapes_and_dtypes_add_up():
+    """One stack for the usual steps; a metric that changes shape or dtype between steps
+    (a (1,) tensor, half, integer, double) still adds, in fp32."""
+    acc = MetricAccumulator("cpu", keep=4)
+    values = [
+        torch.tensor(1.0),
+        torch.tensor([2.0]),
+        torch.tensor(3.0, dtype=torch.float16),
+        torch.tensor(4),
+        torch.tensor(5.0, dtype=torch.float64),
+        torch.tensor([[6.0]]),
+    ]
+    for value in values:
+        acc.update({"m": value}, 1)
+    assert acc.compute() == {"m": 21 / 6}
+    assert acc.state_dict()["sums"]["m"].dtype == torch.float32
+
+
 def test_kept_tensors_are_released_after_keep_steps():
     acc = MetricAccumulator("cpu", keep=4)
     refs = []
