@@ -18,13 +18,14 @@ With ``--launcher auto`` they are tried in this order, first match wins:
 """
 
 import atexit
+import contextlib
 import os
 import re
 import socket
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import torch
 
@@ -351,18 +352,19 @@ def spawn(
     When one fails, torch.multiprocessing stops the others; the failure is re-raised as
     ``RankFailed`` naming the rank that failed first. While waiting, the signals that
     ``forward()`` returns (the ones this parent received) are sent on to the workers, so
-    a preemption signal that reaches only the parent still checkpoints the run.
+    a preemption signal that reaches only the parent still checkpoints the run. A worker
+    gets such a signal once it catches it: while it still imports torch, the signal would
+    kill it.
     """
     import torch.multiprocessing as mp
 
     try:
         context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
         assert context is not None
+        held: list[tuple[Any, int]] = []  # (worker, signal) not passed on yet
         while not context.join(timeout=0.2):
-            for signum in forward():
-                for process in context.processes:
-                    if process.is_alive() and process.pid is not None:
-                        os.kill(process.pid, signum)
+            held += [(process, signum) for signum in forward() for process in context.processes]
+            held = [(process, signum) for process, signum in held if not _pass_on(process, signum)]
     except mp.ProcessExitedException as exc:
         if exc.exit_code == EXIT_REQUEUE:  # a checkpoint was saved; the run goes on later
             raise StopForRequeue(f"checkpoint saved; exit status {EXIT_REQUEUE}") from None
@@ -373,6 +375,23 @@ def spawn(
         ) from None
     except mp.ProcessRaisedException as exc:
         raise RankFailed(f"rank {exc.error_index} failed first: {exc}", 1) from None
+
+
+def _pass_on(process: Any, signum: int) -> bool:
+    """Send ``signum`` to a worker that catches it; False while it does not catch it yet
+    (Linux: ``SigCgt`` in ``/proc/<pid>/status``; elsewhere it is sent at once)."""
+    if not process.is_alive() or process.pid is None:
+        return True  # gone: nothing to pass on
+    try:
+        with open(f"/proc/{process.pid}/status") as status:
+            caught = next(line for line in status if line.startswith("SigCgt:"))
+        if not int(caught.split()[1], 16) >> (signum - 1) & 1:
+            return False
+    except (OSError, StopIteration, ValueError):
+        pass  # no /proc here (or the worker just ended): send as before
+    with contextlib.suppress(ProcessLookupError):  # ended meanwhile
+        os.kill(process.pid, signum)
+    return True
 
 
 def exit_on_error(fn: Callable[[], object], rank: int, world_size: int) -> NoReturn:

@@ -101,6 +101,41 @@ def test_sigterm_and_sigint_from_outside_then_resume_is_bit_exact(
     assert_same_run(uninterrupted[nprocs], run)
 
 
+def children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # gone meanwhile
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def test_a_signal_while_the_workers_start_still_checkpoints_and_resumes(uninterrupted, tmp_path):
+    """SIGTERM reaches the --nprocs parent as soon as it has started its workers, while
+    they still import torch. It is passed on once they catch it, instead of killing them:
+    exit 3 with a checkpoint, and the resumed run equals one never interrupted."""
+    run = tmp_path / "run"
+    args = [*TINY, "--nprocs", "2", "--run-dir", str(run)]
+    proc = subprocess.Popen([sys.executable, "-m", "dmltrain", *args], cwd=tmp_path,
+                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    waited = time.monotonic()
+    while not children(proc.pid):
+        assert proc.poll() is None and time.monotonic() - waited < 120, "no workers started"
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 3, err
+    assert "preempted (SIGTERM)" in err
+    assert list_checkpoints(run / "checkpoints")
+    resumed = run_cli(*args, cwd=tmp_path)
+    assert resumed.returncode == 0 and "resuming from" in resumed.stdout, resumed.stderr
+    assert_same_run(uninterrupted[2], run)
+
+
 @pytest.mark.parametrize("nprocs", [1, 2])
 def test_kill_9_after_a_step_checkpoint_then_resume_is_bit_exact(uninterrupted, tmp_path, nprocs):
     run = tmp_path / "run"
