@@ -184,6 +184,14 @@ class CheckpointConfig:
         default="SIGTERM,SIGUSR1,SIGINT",
         metadata={"help": "signals that mean: checkpoint at the next step and exit"},
     )
+    preempt_check_seconds: float = field(
+        default=0.5,
+        metadata={
+            "help": "how often the ranks agree on a signal or a --checkpoint-every-minutes "
+            "save, in seconds of training (a small collective at a step boundary; 0: at "
+            "every step)"
+        },
+    )
     requeue: bool = field(
         default=True,
         metadata={"help": "do not run 'scontrol requeue' after a preemption checkpoint"},
@@ -199,6 +207,7 @@ class CheckpointConfig:
         check(self.keep_last >= 0, f"--keep-last must be >= 0 (got {self.keep_last})")
         check(self.epochs_per_job >= 0, "--epochs-per-job must be >= 0")
         check(self.resume != "", "--resume must be auto, never or a checkpoint path")
+        check(self.preempt_check_seconds >= 0, "--preempt-check-seconds must be >= 0")
         names = [n.strip() for n in self.preempt_signals.split(",") if n.strip()]
         for name in names:
             check(

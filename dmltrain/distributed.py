@@ -117,9 +117,10 @@ class Strategy:
     def all_reduce_sum(self, tensor: Tensor) -> Tensor:
         return tensor
 
-    def any_rank(self, flags: list[bool]) -> list[bool]:
-        """Element-wise OR over ranks: one small CPU collective, no GPU sync."""
-        return flags
+    def max_over_ranks(self, values: list[int]) -> list[int]:
+        """Element-wise maximum over ranks (of flags: any rank): one small CPU collective,
+        no GPU sync."""
+        return values
 
     def broadcast_object(self, obj: Any) -> Any:
         return obj
@@ -200,10 +201,10 @@ class DDPStrategy(Strategy):
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
 
-    def any_rank(self, flags: list[bool]) -> list[bool]:
-        tensor = torch.tensor(flags, dtype=torch.int32)
+    def max_over_ranks(self, values: list[int]) -> list[int]:
+        tensor = torch.tensor(values, dtype=torch.int32)
         dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.control)
-        return [bool(v) for v in tensor.tolist()]
+        return [int(v) for v in tensor.tolist()]
 
     def broadcast_object(self, obj: Any) -> Any:
         box = [obj]
@@ -327,9 +328,9 @@ class HorovodStrategy(Strategy):
     def all_reduce_sum(self, tensor: Tensor) -> Tensor:
         return self.hvd.allreduce(tensor, op=self.hvd.Sum)
 
-    def any_rank(self, flags: list[bool]) -> list[bool]:
-        tensor = torch.tensor(flags, dtype=torch.int32)
-        return [bool(v) for v in self.hvd.allreduce(tensor, op=self.hvd.Max).tolist()]
+    def max_over_ranks(self, values: list[int]) -> list[int]:
+        tensor = torch.tensor(values, dtype=torch.int32)
+        return [int(v) for v in self.hvd.allreduce(tensor, op=self.hvd.Max).tolist()]
 
     # Horovod matches collectives across ranks by name, and names an object collective
     # after the object's type by default: rank 0 broadcasting a float while the others pass

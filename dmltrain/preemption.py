@@ -1,9 +1,11 @@
 """Preemption: signals set a flag; the loop acts at a step boundary once all ranks agree.
 
 Nothing is done inside a signal handler except setting the flag: saving a checkpoint
-from a handler can fail at random (it may interrupt a collective or a write). After each
-step the loop puts ``local_request()`` into one small agreement across ranks
-(``Strategy.any_rank``), so all ranks stop in the same step.
+from a handler can fail at random (it may interrupt a collective or a write). At a step
+boundary the loop puts ``local_request()`` into one small agreement across ranks
+(``Strategy.max_over_ranks``), so all ranks stop in the same step. ``AgreementSchedule``
+says at which boundaries: about every ``--preempt-check-seconds`` (0.5) of training, not
+at every step.
 
 Exit status 3 (``EXIT_REQUEUE``) means "a checkpoint was saved and there is more to do":
 ``slurm/run.sh`` turns it into a requeue. Under Slurm, rank 0 also runs
@@ -52,6 +54,44 @@ class PreemptionWatcher:
     def restore(self) -> None:
         for number, handler in self._previous.items():
             signal.signal(number, handler)  # type: ignore[arg-type]
+
+
+class AgreementSchedule:
+    """Which step boundaries the ranks agree at on stopping (a preemption, a timed
+    checkpoint).
+
+    The agreement is a collective: at every step it would add a round trip between the
+    ranks and make each wait for the slowest (2 CPU processes: about 2% of a 200 ms step,
+    benchmarks/findings.md). So the ranks agree about every ``seconds`` of training: at an
+    agreement each rank proposes how many steps that is by its own clock, and the smallest
+    proposal, agreed in the same collective, is the count to the next one. Every rank
+    counts the same boundaries, so all stop at the same one. A signal is acted on within
+    about ``seconds`` of steps (schedulers give tens of seconds of grace)."""
+
+    def __init__(self, seconds: float = 0.5, most_steps: int = 10_000) -> None:
+        self.seconds, self.most_steps = seconds, most_steps
+        self._left = 0  # boundaries until the next agreement
+        self._passed = 0  # boundaries since the last one
+        self._since = time.monotonic()
+
+    def due(self) -> bool:
+        """Called at every step boundary, on every rank: whether to agree at this one."""
+        self._passed += 1
+        self._left -= 1
+        return self._left <= 0
+
+    def proposal(self) -> int:
+        """This rank's number of steps that take about ``seconds`` (at least 1)."""
+        now = time.monotonic()
+        per_step = (now - self._since) / max(self._passed, 1)
+        self._since, self._passed = now, 0
+        if per_step <= 0:
+            return self.most_steps
+        return max(1, min(self.most_steps, int(self.seconds / per_step)))
+
+    def agreed(self, steps: int) -> None:
+        """The count all ranks agreed on: the next agreement is ``steps`` boundaries on."""
+        self._left = steps
 
 
 def requeue(job_id: str | None, say: Callable[[str], None]) -> None:

@@ -79,6 +79,7 @@ class BaseTrainer(abc.ABC):
     run_dir: Path
     checkpointer: Checkpointer
     watcher: preemption.PreemptionWatcher
+    agreement: preemption.AgreementSchedule
     precision: Precision
     nan_checker: NanChecker | None
 
@@ -192,6 +193,7 @@ class BaseTrainer(abc.ABC):
             return self._spawn_workers()
         # Signals are caught from here on (setup can take long); the loop acts on them.
         self.watcher = preemption.PreemptionWatcher(self._preempt_signals())
+        self.agreement = preemption.AgreementSchedule(self.config.preempt_check_seconds)
         try:
             self.setup()
             rows = self._fit()
@@ -400,10 +402,15 @@ class BaseTrainer(abc.ABC):
         due = (
             bool(cfg.checkpoint_every_steps) and self.global_step % cfg.checkpoint_every_steps == 0
         )
-        timed = bool(cfg.checkpoint_every_minutes) and (
-            time.monotonic() - self.checkpointer.last_save >= 60 * cfg.checkpoint_every_minutes
-        )
-        preempt, timed = self.strategy.any_rank([self.watcher.local_request(), timed])
+        preempt = timed = False
+        if self.agreement.due():  # every --preempt-check-seconds (AgreementSchedule)
+            timed = bool(cfg.checkpoint_every_minutes) and (
+                time.monotonic() - self.checkpointer.last_save >= 60 * cfg.checkpoint_every_minutes
+            )
+            request, wait = self.watcher.local_request(), self.agreement.proposal()
+            agreed = self.strategy.max_over_ranks([request, timed, -wait])
+            preempt, timed = bool(agreed[0]), bool(agreed[1])
+            self.agreement.agreed(-agreed[2])  # the smallest proposal
         if not (preempt or due or timed):
             return
         self.epoch_metrics = metrics.state_dict()

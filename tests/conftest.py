@@ -90,6 +90,9 @@ def http_dir(tmp_path):
 
 # tests/run.sh sets this: there a missing component fails the suite instead of skipping.
 REQUIRE_ALL = os.environ.get("DMLTRAIN_TEST_REQUIRE_ALL") == "1"
+# Ranks agree on a signal at every step, so a signal sent at step N stops the run at step N
+# (by default they agree about every half second: a test run would end first).
+AT_ONCE = ("--preempt-check-seconds", "0")
 
 
 def require(tool: str) -> None:

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, assert_same_run, run_cli
+from conftest import AT_ONCE, ROOT, assert_same_run, run_cli
 from dmltrain import TrainConfig, UserError
 from dmltrain.checkpoint import CheckpointDir, list_checkpoints, load_file, load_latest_valid
 from tiny import TinyOptions, TinyTrainer
@@ -211,7 +211,9 @@ def test_kill_9_during_writes_never_breaks_latest(tmp_path):
 
 def test_best_tracks_the_metric_and_time_based_saves_happen(tmp_path):
     run = tmp_path / "run"
-    trainer, rows = fit(run, epochs=4, keep_last=0, checkpoint_every_minutes=1e-6)
+    # checked at every step (by default about every half second, longer than this run)
+    trainer, rows = fit(run, epochs=4, keep_last=0, checkpoint_every_minutes=1e-6,
+                        preempt_check_seconds=0)  # fmt: skip
     best_epoch = min(rows, key=lambda r: r["val_loss"])["epoch"]
     best = load_file(run / "checkpoints" / "best.pt")
     assert best["epoch"] == best_epoch and best["best_value"] == min(r["val_loss"] for r in rows)
@@ -263,7 +265,8 @@ def test_fsdp_writes_sharded_checkpoints_and_resumes_bit_exactly(fsdp_run, tmp_p
     assert not list((fsdp_run / "checkpoints").glob("ckpt-*.pt"))
     run = tmp_path / "run"
     args = [*FSDP, "--checkpoint-every-steps", "4", "--run-dir", str(run)]
-    stopped = run_cli(*args, "--signal-rank", "1", "--signal-at-step", "8", cwd=tmp_path)
+    stopped = run_cli(*args, "--signal-rank", "1", "--signal-at-step", "8", *AT_ONCE,
+                      cwd=tmp_path)  # fmt: skip
     assert stopped.returncode == 3, stopped.stderr[-3000:]
     assert (run / "checkpoints" / "ckpt-000002-00000009.dcp").is_dir()
     resumed = run_cli(*args, cwd=tmp_path)

@@ -16,6 +16,7 @@ from tiny import TinyOptions
         ({"log_every": 0}, "--log-every must be at least 1"),
         ({"num_workers": -1}, "--num-workers must be >= 0"),
         ({"weight_decay": -0.1}, "--weight-decay must be >= 0"),
+        ({"preempt_check_seconds": -1.0}, "--preempt-check-seconds must be >= 0"),
     ],
 )
 def test_validation_names_the_flag(kwargs, message):

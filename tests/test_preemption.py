@@ -1,6 +1,8 @@
 """Preemption with real signals and real kills; resumed runs must equal uninterrupted ones."""
 
+import itertools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -9,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import assert_same_run, cli_env, run_cli
+from conftest import AT_ONCE, assert_same_run, cli_env, run_cli
 from dmltrain.checkpoint import list_checkpoints, load_file
-from dmltrain.preemption import PreemptionWatcher
+from dmltrain.preemption import AgreementSchedule, PreemptionWatcher
 
 TINY = ["tiny", "--epochs", "3", "--batch-size", "8", "--save-weights", "--progress", "off"]
 
@@ -31,6 +33,25 @@ def test_deadline_before_the_time_limit():
     watcher = PreemptionWatcher([], deadline=time.time() - 1)
     assert watcher.local_request() and watcher.requested == "time limit"
     assert not PreemptionWatcher([], deadline=time.time() + 3600).local_request()
+
+
+def test_the_agreement_comes_every_agreed_number_of_boundaries():
+    """Steps of at least 10 ms and a 50 ms interval: the first boundary agrees, each
+    proposal is 1 to 5 steps, and the next agreement comes exactly that many boundaries on
+    (every rank counts the same boundaries, so all agree at the same one)."""
+    schedule = AgreementSchedule(seconds=0.05)
+    agreed_at, counts = [], []
+    for boundary in range(40):
+        time.sleep(0.01)
+        if schedule.due():
+            agreed_at.append(boundary)
+            counts.append(schedule.proposal())
+            schedule.agreed(counts[-1])
+    assert agreed_at[0] == 0
+    assert all(1 <= n <= 5 for n in counts) and max(counts) > 1, counts
+    assert [b - a for a, b in itertools.pairwise(agreed_at)] == counts[:-1]
+    every = AgreementSchedule(seconds=0)
+    assert all(every.due() and every.proposal() == 1 for _ in range(5))
 
 
 @pytest.fixture(scope="module")
@@ -63,13 +84,26 @@ def test_sigusr1_then_resume_is_bit_exact(uninterrupted, tmp_path, nprocs, when)
     run = tmp_path / "run"
     rank = str(nprocs - 1)
     done, _ = interrupt_then_resume(
-        run, ["--signal-rank", rank, "--signal-at-step", str(step)], nprocs
+        run, ["--signal-rank", rank, "--signal-at-step", str(step), *AT_ONCE], nprocs
     )
     assert done.returncode == 3, done.stderr
     assert "preempted (SIGUSR1)" in done.stderr or "checkpoint saved" in done.stderr
     assert_same_run(uninterrupted[nprocs], run)
     final = load_file(run / "checkpoints" / "latest.pt")
     assert final["global_step"] == 3 * per_epoch  # no step taken twice or skipped
+
+
+def test_by_default_both_ranks_stop_at_the_same_later_boundary(uninterrupted, tmp_path):
+    """The default check interval (0.5 s) with steps of about 50 ms: a signal on rank 1 at
+    its third step is acted on some steps later, at the same boundary on both ranks (else
+    the next collective would hang), and the resumed run equals one never interrupted."""
+    run = tmp_path / "run"
+    signal_rank_1 = ["--signal-rank", "1", "--signal-at-step", "2", "--step-sleep", "0.05"]
+    done, resumed = interrupt_then_resume(run, signal_rank_1, 2)
+    assert done.returncode == 3, done.stderr
+    stopped = int(re.search(r"global step (\d+)", resumed.stdout)[1])  # resumed from
+    assert 3 < stopped < 18  # 3 with --preempt-check-seconds 0; 18 steps in all
+    assert_same_run(uninterrupted[2], run)
 
 
 @pytest.mark.parametrize("nprocs", [1, 2])
@@ -149,8 +183,9 @@ def test_kill_9_after_a_step_checkpoint_then_resume_is_bit_exact(uninterrupted, 
 def test_without_scontrol_the_save_completes_and_exit_status_is_3(tmp_path):
     run = tmp_path / "run"
     bare_path = str(Path(sys.executable).parent)  # python, but no scontrol
-    done = run_cli(*TINY, "--signal-rank", "0", "--signal-at-step", "3", "--run-dir", str(run),
-                   cwd=tmp_path, PATH=bare_path, SLURM_JOB_ID="4242")  # fmt: skip
+    done = run_cli(*TINY, "--signal-rank", "0", "--signal-at-step", "3", *AT_ONCE,
+                   "--run-dir", str(run), cwd=tmp_path, PATH=bare_path,
+                   SLURM_JOB_ID="4242")  # fmt: skip
     assert done.returncode == 3
     assert "scontrol is not available here: not requeueing job 4242" in done.stdout
     assert load_file(run / "checkpoints" / "latest.pt")["global_step"] == 4
@@ -159,7 +194,7 @@ def test_without_scontrol_the_save_completes_and_exit_status_is_3(tmp_path):
 def test_repeated_preemptions_do_not_fill_the_disk(tmp_path):
     run = tmp_path / "run"
     args = [*TINY, "--epochs", "4", "--keep-last", "2", "--checkpoint-every-steps", "1",
-            "--run-dir", str(run)]  # fmt: skip
+            *AT_ONCE, "--run-dir", str(run)]  # fmt: skip
     for step in (2, 6, 10, 14, 20):
         done = run_cli(*args, "--signal-rank", "0", "--signal-at-step", str(step), cwd=tmp_path)
         assert done.returncode == 3, done.stderr

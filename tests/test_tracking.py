@@ -4,7 +4,7 @@ back record by record (tests/wandb_records.py) instead of mocking wandb."""
 import os
 import time
 
-from conftest import cli_env, run_cli
+from conftest import AT_ONCE, cli_env, run_cli
 from wandb_records import read_run, runs_in
 
 TINY = ["tiny", "--epochs", "2", "--batch-size", "8", "--progress", "off", "--log-every", "3"]
@@ -51,7 +51,7 @@ def test_offline_run_has_the_config_and_the_logged_metrics(tmp_path):
 
 def test_a_resumed_run_continues_the_same_wandb_run(tmp_path):
     run = tmp_path / "run"
-    first = train(tmp_path, run, "--signal-rank", "0", "--signal-at-step", "16",
+    first = train(tmp_path, run, "--signal-rank", "0", "--signal-at-step", "16", *AT_ONCE,
                   WANDB_MODE="offline")  # fmt: skip
     assert first.returncode == 3, first.stderr[-2000:]
     second = train(tmp_path, run, WANDB_MODE="offline")
