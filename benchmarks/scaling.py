@@ -7,6 +7,10 @@ each); on a GPU also dmltrain vs the plain loop in fp32 and bf16.
 The MNIST CNN, batch 64 per process, in-memory data, ``--nprocs N`` (self-spawned
 workers, DDP over Gloo), ``OMP_NUM_THREADS=1`` for both runs, interleaved 1, 2, 1, 2, ...
 Samples/s = processes x batch / median step time of rank 0 (``common.Clocked``).
+
+Beside them: a hand-written DDP loop, and the same loop as two independent processes that
+never communicate, the most two processes can get on this machine for this step (cores
+that share caches and memory bandwidth slow each other down even without any exchange).
 """
 
 import argparse
@@ -48,16 +52,18 @@ class ScalingBench(BaseTrainer):
             (self.run_dir / "clock.json").write_text(json.dumps(result))
 
 
-def plain_rank(rank: int, world: int, steps: int, port: int) -> None:
-    """A hand-written DDP loop (the reference): same model, data and batch, no DataLoader."""
+def plain_rank(rank: int, world: int, steps: int, port: int, communicate: bool = True) -> None:
+    """A hand-written DDP loop (the reference): same model, data and batch, no DataLoader.
+    ``communicate=False``: each process trains alone (no process group, no DDP)."""
     import torch.distributed as dist
 
-    if world > 1:
+    communicate = communicate and world > 1
+    if communicate:
         store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     torch.manual_seed(0)
     clock = Clocked(make_model("cnn"), WARMUP, steps, "cpu")
-    model = torch.nn.parallel.DistributedDataParallel(clock) if world > 1 else clock
+    model = torch.nn.parallel.DistributedDataParallel(clock) if communicate else clock
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     x_all, y_all = make_data((WARMUP + steps + 2) * BATCH, seed=rank).tensors
     for i in range(WARMUP + steps + 2):
@@ -67,11 +73,11 @@ def plain_rank(rank: int, world: int, steps: int, port: int) -> None:
         optimizer.step()
     if rank == 0:
         print(json.dumps({"step_time": clock.step_time, "world": world}), flush=True)
-    if world > 1:
+    if communicate:
         dist.destroy_process_group()
 
 
-def plain_worker(nprocs: int, steps: int) -> None:
+def plain_worker(nprocs: int, steps: int, communicate: bool = True) -> None:
     import torch.multiprocessing as mp
 
     from dmltrain.launch import free_port
@@ -80,7 +86,10 @@ def plain_worker(nprocs: int, steps: int) -> None:
         plain_rank(0, 1, steps, 0)
     else:
         mp.start_processes(
-            plain_rank, args=(nprocs, steps, free_port()), nprocs=nprocs, start_method="spawn"
+            plain_rank,
+            args=(nprocs, steps, free_port(), communicate),
+            nprocs=nprocs,
+            start_method="spawn",
         )
 
 
@@ -104,10 +113,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=40, help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
     parser.add_argument("--plain", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--independent", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        if args.plain:
-            plain_worker(args.worker, args.steps)
+        if args.plain or args.independent:
+            plain_worker(args.worker, args.steps, communicate=not args.independent)
         else:
             worker(args.worker, args.steps, args.run_dir)
         return {}
@@ -115,23 +125,26 @@ def main(argv: list[str] | None = None) -> dict:
     tmp = tempfile.mkdtemp(prefix="dmltrain-scaling-")
     counter = iter(range(10**6))
     script = Path(__file__)
-    names = [("dmltrain", 1), ("dmltrain", 2), ("plain", 1), ("plain", 2)]
+    names = [("dmltrain", 1), ("dmltrain", 2), ("plain", 1), ("plain", 2), ("independent", 2)]
+    flags = {"dmltrain": [], "plain": ["--plain"], "independent": ["--independent"]}
     results = interleaved(
         names,
         rounds,
         lambda cn: run_worker(
             script,
             ["--worker", str(cn[1]), "--steps", str(steps), "--run-dir", f"{tmp}/{next(counter)}"]
-            + (["--plain"] if cn[0] == "plain" else []),
+            + flags[cn[0]],
             env={"OMP_NUM_THREADS": "1"},
         ),
     )
     rate = {
         cn: cn[1] * BATCH / statistics.median(r["step_time"] for r in results[cn]) for cn in names
     }
+    rate[("independent", 1)] = rate[("plain", 1)]  # one process alone is the plain loop
     lines = [
         f"scaling: MNIST CNN, batch {BATCH} per process, {steps} timed steps, one thread per "
-        f"process, Gloo, median of {rounds}, interleaved; plain: a hand-written DDP loop",
+        f"process, Gloo, median of {rounds}, interleaved; plain: a hand-written DDP loop; "
+        "independent: that loop in 2 processes that never communicate (vs plain's 1 process)",
         "| contender | processes | samples/s | vs 1 process |",
         "|---|---|---|---|",
         *(
@@ -141,7 +154,7 @@ def main(argv: list[str] | None = None) -> dict:
     ]
     ratios = {
         f"{c}: 2 processes / 1 (samples/s)": rate[(c, 2)] / rate[(c, 1)]
-        for c in ("dmltrain", "plain")
+        for c in ("dmltrain", "plain", "independent")
     }
     if torch.cuda.is_available():
         lines += ["", *gpu_precision(rounds, ratios)]
