@@ -182,7 +182,7 @@ class CheckpointConfig:
     )
     preempt_signals: str = field(
         default="SIGTERM,SIGUSR1,SIGINT",
-        metadata={"help": "signals that mean: checkpoint at the next step and exit"},
+        metadata={"help": "signals that mean: checkpoint at a step boundary soon after and exit"},
     )
     preempt_check_seconds: float = field(
         default=0.5,

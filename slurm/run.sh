@@ -20,7 +20,7 @@
 #SBATCH --open-mode=append
 #SBATCH --output=%x-%j.out
 # USR1 to the job steps (the training processes; no "B:") 5 minutes before the time
-# limit: dmltrain checkpoints at the next step and requeues the job.
+# limit: dmltrain checkpoints at a step boundary soon after and requeues the job.
 #SBATCH --signal=USR1@300
 
 set -uo pipefail

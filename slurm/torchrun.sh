@@ -21,7 +21,7 @@
 #SBATCH --open-mode=append
 #SBATCH --output=%x-%j.out
 # USR1 to the job steps 5 minutes before the time limit (no "B:": to srun's tasks, the
-# torchruns, which pass it on to their workers): dmltrain checkpoints at the next step.
+# torchruns, which pass it on to their workers): dmltrain checkpoints soon after.
 #SBATCH --signal=USR1@300
 
 set -uo pipefail
