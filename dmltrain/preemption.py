@@ -61,7 +61,7 @@ class AgreementSchedule:
     checkpoint).
 
     The agreement is a collective: at every step it would add a round trip between the
-    ranks and make each wait for the slowest (2 CPU processes: about 2% of a 200 ms step,
+    ranks and make each wait for the slowest (2 CPU processes: 1 ms of a 2.4 ms step,
     benchmarks/findings.md). So the ranks agree about every ``seconds`` of training: at an
     agreement each rank proposes how many steps that is by its own clock, and the smallest
     proposal, agreed in the same collective, is the count to the next one. Every rank
@@ -70,28 +70,27 @@ class AgreementSchedule:
 
     def __init__(self, seconds: float = 0.5, most_steps: int = 10_000) -> None:
         self.seconds, self.most_steps = seconds, most_steps
-        self._left = 0  # boundaries until the next agreement
-        self._passed = 0  # boundaries since the last one
-        self._since = time.monotonic()
+        self._every = 1  # boundaries from the last agreement to the next (the first: 1)
+        self._left = 1  # boundaries until the next agreement
+        self._since = time.monotonic()  # the last agreement (at first: the start)
 
     def due(self) -> bool:
         """Called at every step boundary, on every rank: whether to agree at this one."""
-        self._passed += 1
         self._left -= 1
         return self._left <= 0
 
     def proposal(self) -> int:
         """This rank's number of steps that take about ``seconds`` (at least 1)."""
         now = time.monotonic()
-        per_step = (now - self._since) / max(self._passed, 1)
-        self._since, self._passed = now, 0
+        per_step = (now - self._since) / self._every
+        self._since = now
         if per_step <= 0:
             return self.most_steps
         return max(1, min(self.most_steps, int(self.seconds / per_step)))
 
     def agreed(self, steps: int) -> None:
         """The count all ranks agreed on: the next agreement is ``steps`` boundaries on."""
-        self._left = steps
+        self._every = self._left = steps
 
 
 def requeue(job_id: str | None, say: Callable[[str], None]) -> None:
