@@ -92,6 +92,13 @@ class DistConfig:
     nprocs: int = field(
         default=1, metadata={"help": "start N local worker processes (no external launcher)"}
     )
+    threads: int = field(
+        default=0,
+        metadata={
+            "help": "CPU threads per process (0: OMP_NUM_THREADS if you set it, else this "
+            "process's share of the cores it may run on, less one per loader worker)"
+        },
+    )
     strategy: Literal["auto", "single", "ddp", "fsdp", "horovod"] = field(
         default="auto", metadata={"help": "auto: horovod under horovodrun, ddp for >1 process"}
     )
@@ -112,6 +119,7 @@ class DistConfig:
 
     def __post_init__(self) -> None:
         check(self.nprocs >= 1, f"--nprocs must be at least 1 (got {self.nprocs})")
+        check(self.threads >= 0, f"--threads must be >= 0 (got {self.threads})")
         check(self.dist_timeout > 0, f"--dist-timeout must be positive (got {self.dist_timeout})")
 
 

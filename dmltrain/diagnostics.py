@@ -20,10 +20,11 @@ from typing import Any
 
 import torch
 
-from dmltrain.launch import DistInfo, RunEnvironment, hostname
+from dmltrain.launch import DistInfo, RunEnvironment, cpu_set, hostname
 
 
-def this_rank(dist: DistInfo) -> dict[str, Any]:
+def this_rank(dist: DistInfo, environment: RunEnvironment) -> dict[str, Any]:
+    """What every rank reports at start (its CPUs too: ``dmltrain.threads`` reads them)."""
     device = torch.device(dist.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
     return {
@@ -33,6 +34,10 @@ def this_rank(dist: DistInfo) -> dict[str, Any]:
         "host": hostname(),
         "device": dist.device,
         "device_name": name or platform.machine(),
+        "cpus": list(cpu_set()),
+        "cores": environment.cores,
+        "omp_num_threads": environment.omp_num_threads,
+        "cpus_per_task": environment.cpus_per_task,
     }
 
 
@@ -128,6 +133,9 @@ def summary(info: dict[str, Any], path: Path) -> str:
     for rank in info["ranks"]:
         hosts.setdefault(rank["host"], []).append(rank["device"])
     where = "; ".join(f"{host}: {', '.join(devices)}" for host, devices in hosts.items())
+    threads = sorted({(r["threads"], r["threads_why"]) for r in info["ranks"] if "threads" in r})
+    if threads:
+        where += "; CPU threads per process: " + ", ".join(f"{n} ({why})" for n, why in threads)
     v = info["versions"]
     shown = ", ".join(
         f"{name} {v[key]}"

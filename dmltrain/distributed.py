@@ -21,40 +21,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.utils.data import Dataset, DistributedSampler, Sampler
+from torch.utils.data import Dataset, Sampler
 
 from dmltrain.config import DistConfig
+from dmltrain.data import ResumableSampler, ShardSampler
 from dmltrain.errors import PeerLost, UserError, first_line
 from dmltrain.launch import DistInfo, default_device, hostname
-
-
-class ShardSampler(Sampler[int]):
-    """Rank r of w takes samples r, r+w, r+2w, ...: no padding, so metrics stay exact."""
-
-    def __init__(self, dataset: Dataset, rank: int, world_size: int) -> None:
-        self.indices = range(rank, len(dataset), world_size)  # type: ignore[arg-type]
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.indices)
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-
-class ResumableSampler(DistributedSampler):
-    """DistributedSampler that can start an epoch part-way (after a mid-epoch resume)."""
-
-    start = 0  # samples of this rank's shard already consumed in the current epoch
-
-    def set_epoch(self, epoch: int) -> None:
-        super().set_epoch(epoch)
-        self.start = 0
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(list(super().__iter__())[self.start :])
-
-    def __len__(self) -> int:
-        return self.num_samples - self.start
 
 
 class Strategy:
@@ -107,7 +79,7 @@ class Strategy:
             drop_last=False,
         )
 
-    def val_sampler(self, dataset: Dataset) -> Sampler[int]:
+    def val_sampler(self, dataset: Dataset) -> Sampler[tuple[int, int]]:
         return ShardSampler(dataset, self.info.rank, self.info.world_size)
 
     def eval_model(self, model: nn.Module) -> nn.Module:
@@ -256,11 +228,9 @@ class FSDPStrategy(DDPStrategy):
         finally:
             inner.set_requires_gradient_sync(True)
 
-    def val_sampler(self, dataset: Dataset) -> Sampler[int]:
+    def val_sampler(self, dataset: Dataset) -> Sampler[tuple[int, int]]:
         """Equal shard sizes (FSDP's forward is collective): pads with up to w-1 repeats."""
-        return DistributedSampler(
-            dataset, num_replicas=self.info.world_size, rank=self.info.rank, shuffle=False
-        )
+        return ShardSampler(dataset, self.info.rank, self.info.world_size, pad=True)
 
 
 class HorovodStrategy(Strategy):

@@ -86,9 +86,14 @@ class RunEnvironment:
     wandb_key_set: bool = False  # WANDB_API_KEY is set (its value is never kept)
     wandb_host: str = "https://api.wandb.ai"  # WANDB_BASE_URL
     variables: tuple[tuple[str, str], ...] = ()  # relevant variables, secrets redacted
+    omp_num_threads: int | None = None  # OMP_NUM_THREADS as the user set it
+    cpus_per_task: int | None = None  # SLURM_CPUS_PER_TASK
+    cores: int = 1  # physical cores among the CPUs this process may run on
 
 
-def run_environment(env: Env | None = None) -> RunEnvironment:
+def run_environment(env: Env | None = None, parent: Env | None = None) -> RunEnvironment:
+    """``parent``: the environment this process's parent started with (read from /proc
+    when None), to tell torchrun's own OMP_NUM_THREADS from the user's."""
     env = os.environ if env is None else env
     variables = tuple(
         (name, "<redacted>" if SECRET.search(name) else value)
@@ -100,7 +105,60 @@ def run_environment(env: Env | None = None) -> RunEnvironment:
         wandb_key_set=bool(env.get("WANDB_API_KEY")),
         wandb_host=env.get("WANDB_BASE_URL") or RunEnvironment.wandb_host,
         variables=variables,
+        omp_num_threads=_users_omp_threads(env, parent),
+        cpus_per_task=_positive(env.get("SLURM_CPUS_PER_TASK")),
+        cores=physical_cores(),
     )
+
+
+def _positive(value: str | None) -> int | None:
+    try:
+        number = int(value or "")
+    except ValueError:
+        return None
+    return number if number > 0 else None
+
+
+def _users_omp_threads(env: Env, parent: Env | None) -> int | None:
+    """OMP_NUM_THREADS, unless torchrun set it: torchrun gives its workers 1 when its own
+    environment has none, which is no choice of the user's."""
+    threads = _positive(env.get("OMP_NUM_THREADS"))
+    if threads is None or not ("TORCHELASTIC_RUN_ID" in env or "TORCHELASTIC_RESTART_COUNT" in env):
+        return threads
+    if parent is None:
+        try:
+            with open(f"/proc/{os.getppid()}/environ", "rb") as handle:
+                pairs = handle.read().decode(errors="replace").split("\0")
+        except OSError:
+            return threads  # cannot tell: take it as the user's
+        parent = dict(pair.split("=", 1) for pair in pairs if "=" in pair)
+    return threads if "OMP_NUM_THREADS" in parent else None
+
+
+def physical_cores() -> int:
+    """Physical cores among the CPUs this process may run on (hyperthreads counted once)."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if not cpus:
+        return os.cpu_count() or 1
+    cores = set()
+    for cpu in cpus:
+        topology = f"/sys/devices/system/cpu/cpu{cpu}/topology"
+        try:
+            with (
+                open(f"{topology}/physical_package_id") as package,
+                open(f"{topology}/core_id") as core,
+            ):
+                cores.add((package.read().strip(), core.read().strip()))
+        except OSError:
+            cores.add(("cpu", str(cpu)))
+    return len(cores)
+
+
+def cpu_set() -> tuple[int, ...]:
+    """The CPUs this process may run on (its affinity: Slurm, MPI and taskset bind it)."""
+    if hasattr(os, "sched_getaffinity"):
+        return tuple(sorted(os.sched_getaffinity(0)))
+    return tuple(range(os.cpu_count() or 1))
 
 
 def default_device(local_rank: int = 0) -> str:

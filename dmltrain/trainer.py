@@ -1,11 +1,13 @@
 """``BaseTrainer``: the experiment supplies model, data and one step's loss; this runs the loop.
 
-Data loading policy (documented in the README):
+Data loading policy (documented in the README; the samplers and seeds are in
+``dmltrain.data``):
 - training batches come from one global permutation seeded by ``seed + epoch``; rank r of
   w takes every w-th sample of it (``DistributedSampler``), so for the same global batch
   (``batch_size`` x world size) every world size sees the same samples in each step. The
   last, smaller batch is kept (``drop_last=False``); with w processes the sampler pads
   the epoch to a multiple of w by repeating its first samples;
+- each sample is drawn with generators seeded from (seed, epoch, index);
 - validation is sharded without padding (rank r takes samples r, r+w, ...) and never
   shuffled, so validation metrics are exact sample-weighted means;
 - ``pin_memory`` is on when training on CUDA; workers persist across epochs when used.
@@ -26,13 +28,13 @@ from typing import Any
 import numpy as np
 import torch
 from torch import Tensor, nn
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
-from dmltrain import diagnostics, launch, preemption
+from dmltrain import data, diagnostics, launch, preemption, threads
 from dmltrain.batches import StepOutput, batch_size_of, chunks, split_step_output, to_device
 from dmltrain.checkpoint import list_checkpoints
 from dmltrain.config import CONCERNS, DistConfig, TrackingConfig, TrainConfig, section, to_yaml
-from dmltrain.distributed import ResumableSampler, Strategy, create_strategy
+from dmltrain.distributed import Strategy, create_strategy
 from dmltrain.errors import NonFiniteError, StopForRequeue, UserError
 from dmltrain.launch import DistInfo
 from dmltrain.metrics import MetricAccumulator
@@ -82,6 +84,7 @@ class BaseTrainer(abc.ABC):
     agreement: preemption.AgreementSchedule
     precision: Precision
     nan_checker: NanChecker | None
+    ranks: list[dict[str, Any]]  # what each rank reported at start (diagnostics.this_rank)
 
     def __init__(
         self,
@@ -149,7 +152,7 @@ class BaseTrainer(abc.ABC):
 
     def create_dataloader(self, dataset: Dataset, train: bool) -> DataLoader:
         cfg = self.config
-        sampler: Sampler[int] = (
+        sampler: Sampler[tuple[int, int]] = (
             self.strategy.train_sampler(dataset, cfg.seed)
             if train
             else self.strategy.val_sampler(dataset)
@@ -256,10 +259,11 @@ class BaseTrainer(abc.ABC):
             if best:
                 metric = self.config.best_metric
                 self.tracker.summary({f"best_{metric}": self.best_value, "best_epoch": epoch + 1})
-            self.checkpointer.save(best=best)
             epochs_this_job += 1
             per_job = self.config.epochs_per_job
-            if per_job and epochs_this_job >= per_job and self.epoch < self.config.epochs:
+            stop_job = bool(per_job) and epochs_this_job >= per_job
+            self.checkpointer.save(best=best, must=stop_job or self.epoch >= self.config.epochs)
+            if stop_job and self.epoch < self.config.epochs:
                 raise StopForRequeue(
                     f"{epochs_this_job} epoch(s) done in this job (--epochs-per-job), "
                     f"{self.epoch}/{self.config.epochs} in all; exit status 3: requeue to go on"
@@ -273,7 +277,7 @@ class BaseTrainer(abc.ABC):
         cfg = self.config
         self.model.train()
         sampler = self.train_loader.sampler
-        if isinstance(sampler, ResumableSampler):
+        if isinstance(sampler, data.ResumableSampler):
             sampler.set_epoch(epoch)
             sampler.start = self.step_in_epoch * cfg.grad_accum * cfg.batch_size
         metrics = MetricAccumulator(self.device)
@@ -281,7 +285,7 @@ class BaseTrainer(abc.ABC):
             metrics.load_state_dict(self.epoch_metrics)
         steps = self.step_in_epoch + math.ceil(len(self.train_loader) / cfg.grad_accum)
         groups = self.progress.epoch(
-            chunks(self.train_loader, cfg.grad_accum), epoch + 1, cfg.epochs, steps
+            chunks(data.iterate(self.train_loader), cfg.grad_accum), epoch + 1, cfg.epochs, steps
         )
         for step, micro_batches in enumerate(groups, start=self.step_in_epoch + 1):
             if (epoch + 1, step) not in self.skip_steps:  # not dropped by a rollback
@@ -414,7 +418,7 @@ class BaseTrainer(abc.ABC):
         if not (preempt or due or timed):
             return
         self.epoch_metrics = metrics.state_dict()
-        self.checkpointer.save(best=False, wait=preempt)  # the process exits right after
+        self.checkpointer.save(best=False, must=preempt)  # the process exits right after
         self.epoch_metrics = None
         if preempt:
             if self.dist.is_main and cfg.requeue:
@@ -433,7 +437,7 @@ class BaseTrainer(abc.ABC):
         try:
             self.model.eval()
             metrics = MetricAccumulator(self.device)
-            for batch in self.val_loader:
+            for batch in data.iterate(self.val_loader):
                 batch = to_device(batch, self.device)
                 step_metrics = self.precision.forward(self.val_step, batch)
                 metrics.update(step_metrics, batch_size_of(batch))
@@ -454,6 +458,14 @@ class BaseTrainer(abc.ABC):
         )
         self.run_dir = self._prepare_run_dir()
         cfg = self.config
+        # Every rank's host and CPUs: each takes its share of its cores (dmltrain.threads).
+        self.ranks = self.strategy.all_gather_object(
+            diagnostics.this_rank(self.dist, self.environment)
+        )
+        for rank, entry in enumerate(self.ranks):
+            choice = threads.choose(cfg.threads, cfg.num_workers, self.ranks, rank)
+            entry.update(threads=choice.threads, threads_why=choice.why)
+        torch.set_num_threads(self.ranks[self.dist.rank]["threads"])
         self.precision = Precision(cfg.precision, self.device)
         self._setup_model()
         self._setup_data()
@@ -485,6 +497,10 @@ class BaseTrainer(abc.ABC):
         train_set, val_set = self.create_datasets()
         if len(train_set) == 0:  # type: ignore[arg-type]
             raise UserError("the training dataset is empty: check --data-dir")
+        seed = self.config.seed
+        train_set = data.SeededSamples(train_set, seed) if _indexed(train_set) else train_set
+        if val_set is not None and _indexed(val_set):
+            val_set = data.SeededSamples(val_set, seed)
         self.train_loader = self.create_dataloader(train_set, train=True)
         self.val_loader = None if val_set is None else self.create_dataloader(val_set, False)
 
@@ -501,12 +517,11 @@ class BaseTrainer(abc.ABC):
 
     def _start_records(self) -> None:
         """config.yaml, diagnostics and the tracker (rank 0); the Slurm deadline (all ranks)."""
-        ranks = self.strategy.all_gather_object(diagnostics.this_rank(self.dist))
         if self.dist.is_main:
             text = self.resolved_config_yaml()
             (self.run_dir / "config.yaml").write_text(text)
             self.progress.info(f"dmltrain: {self.name} -> {self.run_dir}\n{text.rstrip()}")
-            self._write_diagnostics(ranks)
+            self._write_diagnostics(self.ranks)
             self.tracker = create_tracker(
                 section(self.config, TrackingConfig),
                 self.environment.wandb_mode,
@@ -568,9 +583,9 @@ class BaseTrainer(abc.ABC):
         decision: tuple[str, str | None] = ("", None)
         if self.dist.is_main:
             path = Path(self.config.run_dir or self._default_run_dir())
-            error = None
+            error = _run_dir_problem(path)
             resumable = self.config.resume == "auto" and list_checkpoints(path / "checkpoints")
-            if (path / "training_log.csv").exists() and not resumable:
+            if error is None and (path / "training_log.csv").exists() and not resumable:
                 error = (
                     f"run directory {path} already holds a run (training_log.csv) with no "
                     "checkpoint to resume; pass a new --run-dir to start another"
@@ -580,8 +595,6 @@ class BaseTrainer(abc.ABC):
         if error:
             raise UserError(error)
         self.config = dataclasses.replace(self.config, run_dir=run_dir)
-        if self.dist.is_main:
-            Path(run_dir).mkdir(parents=True, exist_ok=True)
         return Path(run_dir)
 
     def _preempt_signals(self) -> list[str]:
@@ -593,6 +606,9 @@ class BaseTrainer(abc.ABC):
         config = dataclasses.replace(
             self.config, run_dir=self.config.run_dir or self._default_run_dir()
         )
+        error = _run_dir_problem(Path(str(config.run_dir)))
+        if error:
+            raise UserError(error)
         watcher = preemption.PreemptionWatcher(self._preempt_signals())  # forwarded
         try:
             launch.spawn(
@@ -604,6 +620,22 @@ class BaseTrainer(abc.ABC):
         finally:
             watcher.restore()
         return read_training_log(Path(str(config.run_dir)) / "training_log.csv")
+
+
+def _run_dir_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be the run directory (it is created here if missing), or None."""
+    if path.exists() and not path.is_dir():
+        return f"--run-dir {path} is a file, not a directory; pass a directory"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot create the run directory {path}: {exc.strerror}; pass another --run-dir"
+    return None
+
+
+def _indexed(dataset: Dataset) -> bool:
+    """A map-style dataset (samples by index), as opposed to an IterableDataset."""
+    return not isinstance(dataset, IterableDataset)
 
 
 def _spawned_fit(

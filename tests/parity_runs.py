@@ -44,7 +44,9 @@ def plain(out: Path) -> dict:
     for epoch in range(EPOCHS):
         order = torch.randperm(len(data), generator=torch.Generator().manual_seed(SEED + epoch))
         model.train()
-        for x, y in DataLoader(data, batch_size=BATCH, sampler=order.tolist()):
+        # A generator of its own: the iterator's seed draw leaves the dropout stream alone
+        loader = DataLoader(data, BATCH, sampler=order.tolist(), generator=torch.Generator())
+        for x, y in loader:
             optimizer.zero_grad(set_to_none=True)
             F.cross_entropy(model(x), y).backward()
             optimizer.step()

@@ -1,11 +1,18 @@
 """The user's path: `dmltrain mnist` on the bundled sample, as a new user runs it."""
 
 import itertools
+import json
 import math
+import signal
+import subprocess
+import sys
 
 import pytest
+import torch
 
-from conftest import run_cli
+from conftest import AT_ONCE, cli_env, log_numbers, require, run_cli
+from dmltrain.checkpoint import load_file
+from dmltrain.launch import free_port
 from dmltrain.training_log import read_training_log
 
 COLUMNS = ["epoch", "train_loss", "val_loss", "val_acc", "lr", "epoch_time_s"]
@@ -50,3 +57,79 @@ def test_ten_epochs_reach_the_accuracy_target(tmp_path):
     assert all(b < a for a, b in itertools.pairwise(losses)), losses
     assert rows[2]["val_acc"] >= 0.95, rows[2]
     assert rows[9]["val_acc"] >= 0.96, rows[9]
+
+
+# The promises once on the model users run (dropout, thread-dependent convolutions): the
+# sample, one epoch, 2 processes.
+MNIST = ["mnist", "--epochs", "1", "--no-download", "--progress", "log", "--log-every", "4"]
+NPROCS = [*MNIST, "--nprocs", "2"]
+
+
+def assert_same_mnist(run_a, run_b):
+    """The same training log numbers and, bitwise, the same final weights."""
+    assert log_numbers(run_a) == log_numbers(run_b)
+    a = load_file(run_a / "checkpoints" / "latest.pt")["model"]
+    b = load_file(run_b / "checkpoints" / "latest.pt")["model"]
+    assert list(a) == list(b)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.fixture(scope="module")
+def mnist_reference(tmp_path_factory):
+    run = tmp_path_factory.mktemp("mnist") / "run"
+    done = run_cli(*NPROCS, "--run-dir", str(run), cwd=run.parent)
+    assert done.returncode == 0, done.stderr
+    return run
+
+
+@pytest.mark.parametrize("name", ["SIGUSR1", "SIGTERM"])
+def test_mnist_resumed_mid_epoch_ends_bitwise_equal(mnist_reference, tmp_path, name):
+    """A signal to the --nprocs parent at step 12 of 32: checkpoint, exit 3, and the
+    resumed run draws the same dropout masks as the uninterrupted one."""
+    run = tmp_path / "run"
+    args = [*NPROCS, "--run-dir", str(run)]
+    proc = subprocess.Popen([sys.executable, "-m", "dmltrain", *args, *AT_ONCE], cwd=tmp_path,
+                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "epoch 1/1 step 12/" in line:
+            proc.send_signal(getattr(signal, name))
+            break
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 3, err
+    resumed = run_cli(*args, cwd=tmp_path)
+    assert resumed.returncode == 0 and "resuming from" in resumed.stdout, resumed.stderr
+    assert "(epoch 1, 0 steps" not in resumed.stdout  # it stopped mid-epoch
+    assert_same_mnist(mnist_reference, run)
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "mpirun", "srun"])
+def test_mnist_under_every_launcher_ends_bitwise_equal(
+    mnist_reference, tmp_path, launcher, request
+):
+    """The same command under torchrun, mpirun and srun as under --nprocs 2: each process
+    takes its share of the cores (dmltrain.threads), so the same kernels add up in the
+    same order."""
+    run = tmp_path / "run"
+    dmltrain = [sys.executable, "-m", "dmltrain", *MNIST, "--run-dir", str(run)]
+    if launcher == "torchrun":
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                   "--master_port", str(free_port()), *dmltrain[1:]]  # fmt: skip
+    elif launcher == "mpirun":
+        require("mpirun")
+        command = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", *dmltrain]
+    else:
+        request.getfixturevalue("slurm")
+        script = tmp_path / "job.sh"
+        script.write_text(f"#!/bin/bash\nsrun {' '.join(dmltrain)}\n")
+        command = ["sbatch", "--wait", "-n", "2", "-o", str(tmp_path / "out"), str(script)]
+    done = subprocess.run(command, env=cli_env(), cwd=tmp_path, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    out = (tmp_path / "out").read_text() if (tmp_path / "out").exists() else ""
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:] + out[-2000:]
+    ranks = json.loads((run / "diagnostics.json").read_text())["ranks"]
+    reference = json.loads((mnist_reference / "diagnostics.json").read_text())["ranks"]
+    assert [r["threads"] for r in ranks] == [r["threads"] for r in reference]
+    assert_same_mnist(mnist_reference, run)

@@ -16,6 +16,7 @@ from dmltrain.checkpoint import list_checkpoints, load_file
 from dmltrain.preemption import AgreementSchedule, PreemptionWatcher
 
 TINY = ["tiny", "--epochs", "3", "--batch-size", "8", "--save-weights", "--progress", "off"]
+TINY += ["--dropout", "0.2", "--augment"]  # random numbers in the step and in the data
 
 
 def test_handler_only_sets_a_flag():
@@ -91,6 +92,22 @@ def test_sigusr1_then_resume_is_bit_exact(uninterrupted, tmp_path, nprocs, when)
     assert_same_run(uninterrupted[nprocs], run)
     final = load_file(run / "checkpoints" / "latest.pt")
     assert final["global_step"] == 3 * per_epoch  # no step taken twice or skipped
+
+
+@pytest.mark.parametrize("nprocs", [1, 2])
+def test_augmentation_in_loader_workers_resumes_bit_exact(uninterrupted, tmp_path, nprocs):
+    """Each sample is augmented in a DataLoader worker with generators seeded from (seed,
+    epoch, index): the same draws with 2 workers as in the training process, and after a
+    mid-epoch resume, whose new workers start at a later sample."""
+    run = tmp_path / "run"
+    workers = ["--num-workers", "2"]
+    signal_mid_epoch = ["--signal-rank", "0", "--signal-at-step", "7", *AT_ONCE]
+    args = [*TINY, *workers, "--nprocs", str(nprocs), "--run-dir", str(run)]
+    done = run_cli(*args, *signal_mid_epoch, cwd=tmp_path)
+    assert done.returncode == 3, done.stderr
+    resumed = run_cli(*args, cwd=tmp_path)
+    assert resumed.returncode == 0 and "resuming from" in resumed.stdout, resumed.stderr
+    assert_same_run(uninterrupted[nprocs], run)  # uninterrupted without workers
 
 
 def test_by_default_both_ranks_stop_at_the_same_later_boundary(uninterrupted, tmp_path):

@@ -2,15 +2,18 @@
 
 import atexit
 import os
+import random
+import shutil
 import signal
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
 from dmltrain import BaseTrainer, register_experiment
 
@@ -31,6 +34,31 @@ class TinyOptions:
     exit_note: str = field(
         default="", metadata={"help": "an atexit handler writes PATH.RANK as the process ends"}
     )
+    fill_disk_at_step: int = field(
+        default=0, metadata={"help": "rank 0 fills the run directory's disk at this step"}
+    )
+    free_disk_at_step: int = field(default=0, metadata={"help": "... and frees it at this step"})
+    dropout: float = field(default=0.0, metadata={"help": "dropout before the last layer"})
+    augment: bool = field(
+        default=False,
+        metadata={"help": "random augmentation in __getitem__ (torch, numpy and random)"},
+    )
+
+
+class Augmented(Dataset):
+    """Noise drawn from all three generators a data pipeline uses, in ``__getitem__``
+    (in a DataLoader worker when --num-workers > 0)."""
+
+    def __init__(self, inner: TensorDataset) -> None:
+        self.inner = inner
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index):
+        x, y = self.inner[index]
+        noise = torch.randn(x.shape) + float(np.random.randn()) + random.gauss(0.0, 1.0)
+        return x + 0.05 * noise, y
 
 
 class TinyTrainer(BaseTrainer):
@@ -44,20 +72,35 @@ class TinyTrainer(BaseTrainer):
         if self.opts.exit_note:  # an experiment's own clean-up, as a user would register it
             note = f"{self.opts.exit_note}.{self.dist.rank}"
             atexit.register(lambda: open(note, "w").close())
-        return nn.Sequential(nn.Linear(self.opts.features, 8), nn.Tanh(), nn.Linear(8, 1))
+        layers = [nn.Linear(self.opts.features, 8), nn.Tanh(), nn.Linear(8, 1)]
+        if self.opts.dropout:
+            layers.insert(2, nn.Dropout(self.opts.dropout))
+        return nn.Sequential(*layers)
 
     def create_datasets(self):
         g = torch.Generator().manual_seed(1234)
         x = torch.randn(self.opts.samples + 32, self.opts.features, generator=g)
         y = x.sum(dim=1, keepdim=True) + 0.1 * torch.randn(len(x), 1, generator=g)
         n = self.opts.samples
-        return TensorDataset(x[:n], y[:n]), TensorDataset(x[n:], y[n:])
+        train = TensorDataset(x[:n], y[:n])
+        return Augmented(train) if self.opts.augment else train, TensorDataset(x[n:], y[n:])
 
     def train_step(self, batch):
+        o = self.opts
         if self.dist.rank == self.opts.die_rank and self.global_step == self.opts.die_at_step:
             os.kill(os.getpid(), signal.SIGKILL)
         if self.dist.rank == self.opts.signal_rank and self.global_step == self.opts.signal_at_step:
             os.kill(os.getpid(), signal.SIGUSR1)
+        if self.dist.is_main and self.global_step in {o.fill_disk_at_step, o.free_disk_at_step} - {
+            0
+        }:
+            filler = self.run_dir / "filler"
+            if self.global_step == o.free_disk_at_step:
+                filler.unlink()
+            else:  # leave 64 KiB: a checkpoint no longer fits, the training log does
+                with open(filler, "wb") as handle:
+                    free = shutil.disk_usage(self.run_dir).free
+                    os.posix_fallocate(handle.fileno(), 0, free - (64 << 10))
         if self.opts.step_sleep:
             time.sleep(self.opts.step_sleep)  # a slow step, so a test can signal mid-run
         x, y = batch
@@ -72,7 +115,7 @@ class TinyTrainer(BaseTrainer):
 
     def on_after_backward(self):
         if self._injecting("gradient"):  # after DDP's all-reduce: this rank alone sees it
-            self.strategy.eval_model(self.model)[2].weight.grad[0, 0] = float("inf")
+            self.strategy.eval_model(self.model)[-1].weight.grad[0, 0] = float("inf")
 
     def on_train_end(self):
         if self.opts.save_weights:

@@ -1,0 +1,88 @@
+"""Per-sample seeds and the samplers' keys: the data pipeline never moves the model's
+random streams, and a sample is drawn the same wherever and whenever it is fetched."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from dmltrain.data import ResumableSampler, SeededSamples, ShardSampler, iterate, sample_seed
+from tiny import Augmented
+
+DATA = TensorDataset(torch.arange(40.0).reshape(20, 2), torch.arange(20))
+
+
+def states():
+    return torch.get_rng_state(), np.random.get_state()[1].copy(), random.getstate()
+
+
+def same_states(a, b):
+    return torch.equal(a[0], b[0]) and np.array_equal(a[1], b[1]) and a[2] == b[2]
+
+
+def test_a_sample_is_drawn_the_same_in_any_order_and_differs_by_epoch_and_index():
+    seeded = SeededSamples(Augmented(DATA), seed=3)
+    first = seeded[(1, 7)][0]
+    seeded[(0, 2)]  # other samples in between change nothing
+    assert torch.equal(seeded[(1, 7)][0], first)
+    assert not torch.equal(seeded[(2, 7)][0], first)  # another epoch: other draws
+    assert not torch.equal(SeededSamples(Augmented(DATA), seed=4)[(1, 7)][0], first)
+    assert sample_seed(3, 1, 7) != sample_seed(3, 7, 1)
+
+
+def test_the_training_process_generators_do_not_move():
+    seeded = SeededSamples(Augmented(DATA), seed=0)
+    torch.manual_seed(5), np.random.seed(5), random.seed(5)
+    before = states()
+    seeded.__getitems__([(0, i) for i in range(8)])
+    assert same_states(before, states())
+
+
+def test_plain_indices_pass_through_and_attributes_are_the_datasets():
+    seeded = SeededSamples(DATA, seed=0)
+    assert torch.equal(seeded[3][0], DATA[3][0]) and len(seeded) == 20
+    assert seeded.tensors is DATA.tensors
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_workers_draw_what_the_training_process_draws(workers):
+    sampler = ResumableSampler(DATA, num_replicas=1, rank=0, seed=0)
+    sampler.set_epoch(1)
+    loader = DataLoader(SeededSamples(Augmented(DATA), 0), batch_size=4, sampler=sampler,
+                        num_workers=workers)  # fmt: skip
+    seeded = SeededSamples(Augmented(DATA), 0)
+    expected = [seeded[key][0] for key in sampler]
+    got = torch.cat([x for x, _ in loader])
+    assert torch.equal(got, torch.stack(expected))
+
+
+def test_resuming_part_way_fetches_the_rest_of_the_epoch():
+    sampler = ResumableSampler(DATA, num_replicas=2, rank=1, seed=0)
+    sampler.set_epoch(2)
+    keys = list(sampler)
+    assert all(epoch == 2 for epoch, _ in keys) and len(keys) == 10
+    sampler.start = 4
+    assert list(sampler) == keys[4:] and len(sampler) == 6
+
+
+def test_iterate_leaves_the_global_generator_alone():
+    loader = DataLoader(DATA, batch_size=4)  # no generator: its iterator draws a base seed
+    torch.manual_seed(1)
+    before = torch.get_rng_state()
+    next(iterate(loader))
+    assert torch.equal(before, torch.get_rng_state())
+    iter(loader)
+    assert not torch.equal(before, torch.get_rng_state())  # what iterate prevents
+
+
+@pytest.mark.parametrize("n", [20, 19, 1])
+def test_padded_shards_match_distributed_samplers(n):
+    data = TensorDataset(torch.zeros(n))
+    for rank in range(3):
+        ours = [index for _, index in ShardSampler(data, rank, 3, pad=True)]
+        theirs = list(DistributedSampler(data, num_replicas=3, rank=rank, shuffle=False))
+        assert ours == theirs
+    unpadded = [i for r in range(3) for _, i in ShardSampler(data, r, 3)]
+    assert sorted(unpadded) == list(range(n))

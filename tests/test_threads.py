@@ -1,0 +1,66 @@
+"""Each process's CPU threads: its share of the cores it may run on, under every launcher."""
+
+import json
+
+import pytest
+
+from conftest import run_cli
+from dmltrain.launch import physical_cores, run_environment
+from dmltrain.threads import choose
+
+
+def rank(host="a", cpus=(0, 1, 2, 3), cores=4, omp=None, per_task=None):
+    return {"host": host, "cpus": list(cpus), "cores": cores, "omp_num_threads": omp,
+            "cpus_per_task": per_task}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "ranks, workers, expected",
+    [
+        ([rank()], 0, 4),  # one process: every core
+        ([rank(), rank()], 0, 2),  # --nprocs, torchrun, an unbound srun: shared
+        ([rank(), rank(), rank(host="b"), rank(host="b")], 0, 2),  # per host
+        ([rank(cpus=(0, 1), cores=2), rank(cpus=(2, 3), cores=2)], 0, 2),  # mpirun binds
+        ([rank(), rank()], 1, 1),  # a loader worker takes one of the two
+        ([rank(), rank()], 5, 1),  # never fewer than one
+        ([rank(cpus=(0, 1), cores=1)], 0, 1),  # two hyperthreads of one core
+        ([rank(cpus=range(8), cores=8, per_task=2)] * 2, 0, 2),  # SLURM_CPUS_PER_TASK caps
+    ],
+)
+def test_the_share_of_the_cores(ranks, workers, expected):
+    assert choose(0, workers, ranks, 0).threads == expected
+
+
+def test_the_flag_then_the_users_omp_num_threads_win():
+    assert choose(3, 0, [rank(omp=2)], 0) == choose(3, 2, [rank()], 0)
+    assert choose(3, 0, [rank(omp=2)], 0).why == "--threads"
+    assert choose(0, 0, [rank(omp=2), rank(omp=2)], 0).threads == 2
+
+
+def test_torchruns_own_omp_num_threads_is_not_the_users():
+    """torchrun sets OMP_NUM_THREADS=1 for its workers when its own environment has none."""
+    worker = {"OMP_NUM_THREADS": "1", "TORCHELASTIC_RUN_ID": "x"}
+    assert run_environment(worker, parent={}).omp_num_threads is None
+    assert run_environment(worker, parent={"OMP_NUM_THREADS": "1"}).omp_num_threads == 1
+    assert run_environment({"OMP_NUM_THREADS": "3"}).omp_num_threads == 3  # no torchrun
+    assert run_environment({"OMP_NUM_THREADS": "junk"}).omp_num_threads is None
+    assert run_environment({"SLURM_CPUS_PER_TASK": "4"}).cpus_per_task == 4
+
+
+CORES = physical_cores()
+SHARED = f"{CORES} core(s) shared by 2 process(es)"
+
+
+@pytest.mark.parametrize(
+    "extra, env, expected, threads",
+    [([], {}, SHARED, max(1, CORES // 2)), (["--threads", "3"], {}, "--threads", 3),
+     ([], {"OMP_NUM_THREADS": "3"}, "OMP_NUM_THREADS", 3)],
+)  # fmt: skip
+def test_the_choice_is_made_and_recorded(tmp_path, extra, env, expected, threads):
+    run = tmp_path / "run"
+    args = ["tiny", "--epochs", "1", "--nprocs", "2", "--progress", "off", *extra]
+    done = run_cli(*args, "--run-dir", str(run), cwd=tmp_path, **env)
+    assert done.returncode == 0, done.stderr
+    ranks = json.loads((run / "diagnostics.json").read_text())["ranks"]
+    assert [(r["threads"], r["threads_why"]) for r in ranks] == [(threads, expected)] * 2
+    assert f"CPU threads per process: {threads} ({expected})" in done.stdout
