@@ -18,6 +18,7 @@ Sharded checkpoints (FSDP) are directories, ``ckpt-000003-00000189.dcp/`` with l
 turns one into a single ``.pt`` file of the same format as above.
 """
 
+import errno
 import os
 import random
 import shutil
@@ -45,8 +46,14 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+class WriteFailed(UserError):
+    """A checkpoint could not be written (a full disk, a quota); the files already there,
+    ``latest`` among them, are untouched."""
+
+
 def atomic_save(obj: Any, path: Path) -> None:
-    """``torch.save`` that never leaves a partial file under ``path``."""
+    """``torch.save`` that never leaves a partial file under ``path``; ``WriteFailed``
+    with one line saying why when it cannot write."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as handle:
@@ -54,9 +61,34 @@ def atomic_save(obj: Any, path: Path) -> None:
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
+    except (OSError, RuntimeError) as exc:  # torch reports a short write as RuntimeError
+        written = tmp.stat().st_size if tmp.exists() else 0
+        tmp.unlink(missing_ok=True)
+        raise WriteFailed(_why_not_written(path, exc, written)) from None
     finally:
         tmp.unlink(missing_ok=True)
     _fsync_dir(path.parent)
+
+
+def _why_not_written(path: Path, exc: BaseException, written: int) -> str:
+    """One line: no space (how much there is, how much a checkpoint takes) or the error;
+    and the newest checkpoint that is complete."""
+    older = [p for p in list_checkpoints(path.parent) if p != path and p.is_file()]
+    last = f"the last good checkpoint is {older[0]}" if older else "no checkpoint was written yet"
+    needed = older[0].stat().st_size if older else written
+    try:
+        free = shutil.disk_usage(path.parent).free
+    except OSError:
+        free = None
+    no_space = getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+    if no_space or (free is not None and free < needed + (1 << 20)):
+        mb = 1 << 20
+        return (
+            f"no space left for checkpoint {path} ({(free or 0) / mb:.1f} MB free on its file "
+            f"system, a checkpoint takes {'about' if older else 'over'} {needed / mb:.1f} MB); "
+            f"{last}"
+        )
+    return f"cannot write checkpoint {path} ({first_line(exc)}); {last}"
 
 
 def _point(link: Path, target: Path) -> None:
@@ -220,7 +252,9 @@ class CheckpointDir:
             self._writer = None
         if self._failure is not None:
             failure, self._failure = self._failure, None
-            raise UserError(f"writing a checkpoint in {self.directory} failed: {failure}")
+            if isinstance(failure, WriteFailed):
+                raise failure
+            raise WriteFailed(f"writing a checkpoint in {self.directory} failed: {failure}")
 
     def _write_in_background(
         self, state: dict[str, Any], epoch: int, step: int, best: bool

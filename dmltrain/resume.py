@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from dmltrain.checkpoint import (
     CheckpointDir,
+    WriteFailed,
     check_model_fits,
     load_file,
     load_latest_valid,
@@ -62,9 +63,19 @@ class Checkpointer:
         self.last_save = time.monotonic()
 
     # ----- saving -------------------------------------------------------------------------
-    def save(self, best: bool, wait: bool = False) -> None:
-        """Collective: every rank contributes; rank 0 writes (every rank, when sharded)."""
+    def save(self, best: bool, wait: bool = False, must: bool = False) -> None:
+        """Collective: every rank contributes; rank 0 writes (every rank, when sharded).
+
+        A checkpoint that cannot be written (a full disk) is one warning line, and the
+        next one is tried as usual; unless it ``must`` be written (preemption, the end of
+        the run or job): then every rank stops with that line."""
         t = self.trainer
+        failed = None
+        if t.dist.is_main:
+            try:
+                self.files.wait()  # an earlier background write's failure, reported here
+            except WriteFailed as exc:
+                t.warn(f"{exc}; training goes on")
         # Per rank: RNG streams and the partial epoch's metric sums.
         # An optimizer that has not stepped yet has no state; get_state_dict creates it with
         # a zero step (Adam's step count moves), which is undone after the save.
@@ -94,24 +105,32 @@ class Checkpointer:
             model_state, optim_state = _dcp().get_state_dict(t.model, t.optimizer)
             shards = {"model": model_state, "optimizer": optim_state}
             self.files.save_sharded(shards, meta, epoch, t.global_step, best, t.strategy.barrier)
-        elif t.strategy.name == "fsdp":
-            options = _dcp().StateDictOptions(full_state_dict=True, cpu_offload=True)
-            model_state, optim_state = _dcp().get_state_dict(t.model, t.optimizer, options=options)
-            if meta is not None:
-                state = {"model": strip_prefixes(model_state), "optimizer": optim_state, **meta}
-                self.files.save(state, epoch, t.global_step, best, wait=wait)
-            t.strategy.barrier()
-        else:  # the same format, without torch.distributed.checkpoint
-            if meta is not None:
+        else:
+            if t.strategy.name == "fsdp":
+                options = _dcp().StateDictOptions(full_state_dict=True, cpu_offload=True)
+                model_state, optim_state = _dcp().get_state_dict(
+                    t.model, t.optimizer, options=options
+                )
+                model_state = strip_prefixes(model_state)
+            elif meta is not None:  # the same format, without torch.distributed.checkpoint
                 model = t.strategy.eval_model(t.model)
                 model_state = strip_prefixes(model.state_dict())
                 optim_state = optimizer_state_by_name(model, t.optimizer)
+            if meta is not None:
                 state = {"model": model_state, "optimizer": optim_state, **meta}
-                self.files.save(state, epoch, t.global_step, best, wait=wait)
-            t.strategy.barrier()
+                try:
+                    self.files.save(state, epoch, t.global_step, best, wait=wait or must)
+                except WriteFailed as exc:
+                    failed = str(exc)
+            failed = t.strategy.broadcast_object(failed)  # also: every rank waits for rank 0
         if fresh:
             t.optimizer.state.clear()
         self.last_save = time.monotonic()
+        if failed is not None:
+            if must:
+                raise WriteFailed(failed)
+            if t.dist.is_main:
+                t.warn(f"{failed}; training goes on and tries again at the next checkpoint")
 
     def wait(self) -> None:
         """Block until a background write is on disk (rank 0)."""

@@ -137,30 +137,48 @@ def fetch(data_dir: Path, mirrors: list[str], timeout: float = 30.0) -> str | No
     return None
 
 
+def read_dir(directory: Path) -> tuple[dict[str, np.ndarray] | None, list[str]]:
+    """The four arrays in ``directory``, or None and what is wrong: each missing file, and
+    each file that is not valid IDX (with why: bad magic number, wrong size)."""
+    arrays, problems = {}, []
+    for key, name in FILES.items():
+        path = next((p for p in (directory / name, directory / f"{name}.gz") if p.is_file()), None)
+        if path is None:
+            problems.append(f"{name}(.gz) is missing")
+            continue
+        try:
+            arrays[key] = read_idx(path)
+        except UserError as exc:
+            problems.append(str(exc))
+    for split in ("train", "test"):
+        images, labels = arrays.get(f"{split}_images"), arrays.get(f"{split}_labels")
+        if images is not None and labels is not None and len(images) != len(labels):
+            problems.append(f"MNIST {split} images and labels in {directory} differ in length")
+    return (None, problems) if problems else (arrays, [])
+
+
 def load(
     data_dir: Path, sample_fallback: bool, why_missing: str, warn: Callable[[str], None] | None
 ) -> tuple[TensorDataset, TensorDataset, str]:
     """(train, test, source): the files in ``data_dir``, else the bundled sample."""
-    files = find_files(data_dir)
-    if files is None:
+    arrays, problems = read_dir(data_dir)
+    if arrays is None:
+        if len(problems) == len(FILES) and all("missing" in p for p in problems):
+            why = f"full MNIST is not in {data_dir} and {why_missing}"
+        else:  # some files are there: say what is wrong with them
+            why = f"MNIST in {data_dir} cannot be used ({'; '.join(problems)})"
         if not sample_fallback:
             raise UserError(
-                f"MNIST files not found in {data_dir} and {why_missing}; put the four IDX "
-                "files there or allow the download or the bundled sample"
+                f"{why}; put the four IDX files there or allow the download or the bundled sample"
             )
         if warn is not None:
             warn(
-                f"full MNIST is not in {data_dir} and {why_missing}; training on the bundled "
-                f"5,000-digit sample instead. For full MNIST put the four IDX files in "
-                f"{data_dir} or rerun with network access."
+                f"{why}; training on the bundled 5,000-digit sample instead. For full MNIST "
+                f"put the four IDX files in {data_dir} or rerun with network access."
             )
-        files = find_files(SAMPLE_DIR)
-        assert files is not None, f"bundled sample missing from {SAMPLE_DIR}"
+        arrays, problems = read_dir(SAMPLE_DIR)
+        assert arrays is not None, f"bundled sample unusable: {problems}"
         data_dir = SAMPLE_DIR
-    arrays = {key: read_idx(path) for key, path in files.items()}
-    for split in ("train", "test"):
-        if len(arrays[f"{split}_images"]) != len(arrays[f"{split}_labels"]):
-            raise UserError(f"MNIST {split} images and labels in {data_dir} differ in length")
     train = _tensors(arrays["train_images"], arrays["train_labels"])
     test = _tensors(arrays["test_images"], arrays["test_labels"])
     return train, test, str(data_dir)

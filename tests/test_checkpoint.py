@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from conftest import AT_ONCE, ROOT, assert_same_run, run_cli
+from conftest import AT_ONCE, REQUIRE_ALL, ROOT, assert_same_run, run_cli
 from dmltrain import TrainConfig, UserError
 from dmltrain.checkpoint import CheckpointDir, list_checkpoints, load_file, load_latest_valid
 from tiny import TinyOptions, TinyTrainer
@@ -316,3 +316,62 @@ def test_a_torn_sharded_checkpoint_falls_back_to_the_previous(fsdp_run, tmp_path
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"checkpoint {newest} is incomplete or corrupt (shard __1_0.distcp)" in done.stderr
     assert "falling back to the previous checkpoint" in done.stderr
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 40 MB tmpfs (a scratch file system to fill up); needs root, as in CI."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(disk)],
+                             capture_output=True, text=True)  # fmt: skip
+    if mounted.returncode != 0:
+        message = f"cannot mount a tmpfs here: {mounted.stderr.strip()}"
+        if REQUIRE_ALL:
+            pytest.fail(message)
+        pytest.skip(message)
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=True)
+
+
+FULL_DISK = [*TINY, "--epochs", "2", "--features", "2048", "--checkpoint-every-steps", "2"]
+
+
+def test_a_full_disk_skips_checkpoints_with_one_line_and_training_goes_on(small_disk):
+    """The disk fills at step 3 and is freed at step 9: the saves at steps 4, 6 and 8 fail
+    with one line each naming the last good checkpoint; the run ends as if nothing
+    happened, its checkpoints complete and loadable."""
+    run, reference = small_disk / "run", small_disk / "reference"
+    done = run_cli(*FULL_DISK, "--fill-disk-at-step", "3", "--free-disk-at-step", "9",
+                   "--run-dir", str(run), cwd=small_disk)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr
+    lines = [line for line in done.stderr.splitlines() if "no space left" in line]
+    assert len(lines) == 3, done.stderr
+    good = run / "checkpoints" / "ckpt-000001-00000002.pt"
+    for line in lines:
+        assert f"the last good checkpoint is {good}" in line, line
+        assert "MB free on its file system" in line and "tries again" in line, line
+    assert load_file(run / "checkpoints" / "latest.pt")["global_step"] == 24
+    assert not list((run / "checkpoints").glob(".*tmp*"))  # no partial file left
+    ok = run_cli(*FULL_DISK, "--run-dir", str(reference), cwd=small_disk)
+    assert ok.returncode == 0, ok.stderr
+    assert_same_run(reference, run)
+
+
+def test_a_checkpoint_that_must_be_written_stops_the_run_with_one_line(small_disk):
+    """Preempted while the disk is full: that checkpoint cannot be skipped, so the run
+    stops (exit 2, one line) and the last good checkpoint stays intact; once there is
+    space again the run resumes from it."""
+    run = small_disk / "run"
+    args = [*FULL_DISK, "--run-dir", str(run)]
+    done = run_cli(*args, "--fill-disk-at-step", "3", "--signal-rank", "0",
+                   "--signal-at-step", "4", *AT_ONCE, cwd=small_disk)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    (line,) = [line for line in done.stderr.splitlines() if line.startswith("dmltrain: error")]
+    assert "no space left for checkpoint" in line and "ckpt-000001-00000002.pt" in line, line
+    assert "Traceback" not in done.stderr
+    assert load_file(run / "checkpoints" / "latest.pt")["global_step"] == 2
+    (run / "filler").unlink()
+    resumed = run_cli(*args, cwd=small_disk)
+    assert resumed.returncode == 0 and "global step 2)" in resumed.stdout, resumed.stderr

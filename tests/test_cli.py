@@ -133,7 +133,7 @@ BAD_INPUT = [
     (["tiny", "--config", "MISSING.yaml"], "does not exist"),
     (
         ["mnist", "--data-dir", "DATA", "--no-download", "--no-sample-fallback"],
-        "MNIST files not found in",
+        "full MNIST is not in",
     ),
 ]
 

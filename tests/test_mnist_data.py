@@ -89,7 +89,7 @@ def test_failed_download_falls_back_to_sample_with_warning(tmp_path, http_dir):
     assert len(warnings) == 1 and "bundled 5,000-digit sample" in warnings[0]
     assert "MD5" in warnings[0] and "\n" not in warnings[0]
     assert list((tmp_path / "data").iterdir()) == []
-    with pytest.raises(UserError, match="MNIST files not found"):
+    with pytest.raises(UserError, match="full MNIST is not in"):
         mnist_data.load(tmp_path / "data", False, why, None)
 
 
@@ -105,3 +105,29 @@ def test_files_in_data_dir_are_used_without_download(tmp_path):
     x, _y = train.tensors
     assert x.shape == (4000, 1, 28, 28) and abs(x.mean().item()) < 0.2
     assert warnings == []
+
+
+@pytest.mark.parametrize("others", ["missing", "valid"])
+def test_a_corrupt_file_in_data_dir_is_named_then_the_sample_is_used(tmp_path, others):
+    """Random bytes named train-images-idx3-ubyte: the warning names that file and why it
+    was rejected, then training falls back to the sample (or, without the fallback, the
+    same reason is the error)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    if others == "valid":
+        for name in SAMPLE_MD5:
+            if not name.startswith("train-images"):
+                shutil.copy(SAMPLE / name, data / name)
+    corrupt = data / "train-images-idx3-ubyte"
+    corrupt.write_bytes(np.random.default_rng(0).integers(1, 255, 5000, np.uint8).tobytes())
+    warnings = []
+    train, _test, source = mnist_data.load(data, True, "downloading is off", warnings.append)
+    assert source == str(mnist_data.SAMPLE_DIR) and len(train) == 4000
+    (warning,) = warnings
+    assert f"{corrupt} is not an IDX file (bad magic number)" in warning, warning
+    assert ("t10k-images-idx3-ubyte(.gz) is missing" in warning) == (others == "missing")
+    assert "bundled 5,000-digit sample" in warning and "\n" not in warning
+    raw = gzip.decompress((SAMPLE / "train-images-idx3-ubyte.gz").read_bytes())
+    corrupt.write_bytes(raw[:-100])  # the right header, 100 bytes short
+    with pytest.raises(UserError, match=r"train-images-idx3-ubyte is truncated or corrupt"):
+        mnist_data.load(data, False, "downloading is off", None)
