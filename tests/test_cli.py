@@ -211,3 +211,14 @@ def test_only_the_command_freezes_what_it_imported():
     frozen = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     assert frozen.returncode == 0, frozen.stderr
     assert int(frozen.stderr.split()[-1]) > 100_000  # torch's objects among them
+
+
+@pytest.mark.parametrize("nprocs", ["1", "2"])
+def test_a_run_dir_that_is_a_file_is_one_line(tmp_path, nprocs):
+    (tmp_path / "notes").write_text("not a run\n")
+    done = run_cli("tiny", "--epochs", "1", "--nprocs", nprocs, "--run-dir",
+                   str(tmp_path / "notes"), cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert f"--run-dir {tmp_path / 'notes'} is a file, not a directory" in line
+    assert (tmp_path / "notes").read_text() == "not a run\n"
