@@ -246,7 +246,7 @@ def test_async_checkpoints_give_the_same_run(tmp_path):
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
 
 
-FSDP = [*TINY, "--nprocs", "2", "--strategy", "fsdp"]
+FSDP = [*TINY, "--nprocs", "2", "--strategy", "fsdp", "--dropout", "0.2", "--augment"]
 
 
 @pytest.fixture(scope="module")
