@@ -62,8 +62,7 @@ def atomic_save(obj: Any, path: Path) -> None:
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except (OSError, RuntimeError) as exc:  # torch reports a short write as RuntimeError
-        written = tmp.stat().st_size if tmp.exists() else 0
-        tmp.unlink(missing_ok=True)
+        written = tmp.stat().st_size if tmp.exists() else 0  # removed in finally
         raise WriteFailed(_why_not_written(path, exc, written)) from None
     finally:
         tmp.unlink(missing_ok=True)

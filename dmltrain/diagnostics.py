@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from dmltrain.launch import DistInfo, RunEnvironment, cpu_set, hostname
+from dmltrain.launch import DistInfo, RunEnvironment, hostname
 
 
 def this_rank(dist: DistInfo, environment: RunEnvironment) -> dict[str, Any]:
@@ -34,7 +34,7 @@ def this_rank(dist: DistInfo, environment: RunEnvironment) -> dict[str, Any]:
         "host": hostname(),
         "device": dist.device,
         "device_name": name or platform.machine(),
-        "cpus": list(cpu_set()),
+        "cpus": list(environment.cpus),
         "cores": environment.cores,
         "omp_num_threads": environment.omp_num_threads,
         "cpus_per_task": environment.cpus_per_task,

@@ -88,7 +88,8 @@ class RunEnvironment:
     variables: tuple[tuple[str, str], ...] = ()  # relevant variables, secrets redacted
     omp_num_threads: int | None = None  # OMP_NUM_THREADS as the user set it
     cpus_per_task: int | None = None  # SLURM_CPUS_PER_TASK
-    cores: int = 1  # physical cores among the CPUs this process may run on
+    cpus: tuple[int, ...] = ()  # the CPUs this process may run on (cpu_set)
+    cores: int = 1  # physical cores among them
 
 
 def run_environment(env: Env | None = None, parent: Env | None = None) -> RunEnvironment:
@@ -107,7 +108,8 @@ def run_environment(env: Env | None = None, parent: Env | None = None) -> RunEnv
         variables=variables,
         omp_num_threads=_users_omp_threads(env, parent),
         cpus_per_task=_positive(env.get("SLURM_CPUS_PER_TASK")),
-        cores=physical_cores(),
+        cpus=(cpus := cpu_set()),
+        cores=physical_cores(cpus),
     )
 
 
@@ -135,11 +137,8 @@ def _users_omp_threads(env: Env, parent: Env | None) -> int | None:
     return threads if "OMP_NUM_THREADS" in parent else None
 
 
-def physical_cores() -> int:
-    """Physical cores among the CPUs this process may run on (hyperthreads counted once)."""
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    if not cpus:
-        return os.cpu_count() or 1
+def physical_cores(cpus: tuple[int, ...]) -> int:
+    """Physical cores among ``cpus`` (hyperthreads of one core counted once)."""
     cores = set()
     for cpu in cpus:
         topology = f"/sys/devices/system/cpu/cpu{cpu}/topology"

@@ -2,6 +2,7 @@ import functools
 import http.server
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -40,6 +41,22 @@ def run_cli(
         text=True,
         timeout=timeout,
     )
+
+
+def signal_at_line(
+    args: list[str], line: str, name: str, cwd: Path, timeout: float = 300
+) -> tuple[int, str]:
+    """Run ``dmltrain ARGS`` and send it signal ``name`` when it prints a line containing
+    ``line`` (a progress line); its exit status and stderr."""
+    proc = subprocess.Popen([sys.executable, "-m", "dmltrain", *args], cwd=cwd, env=cli_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert proc.stdout is not None
+    for out in proc.stdout:
+        if line in out:
+            proc.send_signal(getattr(signal, name))
+            break
+    _, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err
 
 
 def start_ranks(command: list[str], cwd: Path, world_size: int = 2) -> list[subprocess.Popen]:

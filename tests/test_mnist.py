@@ -3,14 +3,13 @@
 import itertools
 import json
 import math
-import signal
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import AT_ONCE, cli_env, log_numbers, require, run_cli
+from conftest import AT_ONCE, cli_env, log_numbers, require, run_cli, signal_at_line
 from dmltrain.checkpoint import load_file
 from dmltrain.launch import free_port
 from dmltrain.training_log import read_training_log
@@ -89,16 +88,8 @@ def test_mnist_resumed_mid_epoch_ends_bitwise_equal(mnist_reference, tmp_path, n
     resumed run draws the same dropout masks as the uninterrupted one."""
     run = tmp_path / "run"
     args = [*NPROCS, "--run-dir", str(run)]
-    proc = subprocess.Popen([sys.executable, "-m", "dmltrain", *args, *AT_ONCE], cwd=tmp_path,
-                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if "epoch 1/1 step 12/" in line:
-            proc.send_signal(getattr(signal, name))
-            break
-    _, err = proc.communicate(timeout=300)
-    assert proc.returncode == 3, err
+    code, err = signal_at_line([*args, *AT_ONCE], "epoch 1/1 step 12/", name, tmp_path)
+    assert code == 3, err
     resumed = run_cli(*args, cwd=tmp_path)
     assert resumed.returncode == 0 and "resuming from" in resumed.stdout, resumed.stderr
     assert "(epoch 1, 0 steps" not in resumed.stdout  # it stopped mid-epoch

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import AT_ONCE, assert_same_run, cli_env, run_cli
+from conftest import AT_ONCE, assert_same_run, cli_env, run_cli, signal_at_line
 from dmltrain.checkpoint import list_checkpoints, load_file
 from dmltrain.preemption import AgreementSchedule, PreemptionWatcher
 
@@ -133,18 +133,9 @@ def test_sigterm_and_sigint_from_outside_then_resume_is_bit_exact(
     process started, only: with --nprocs 2 that is the parent, which passes it on."""
     run = tmp_path / "run"
     args = [*TINY, "--nprocs", str(nprocs), "--run-dir", str(run)]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dmltrain", *args, "--progress", "log", "--log-every", "1",
-         "--step-sleep", "0.3"],
-        cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if "epoch 1/3 step 3/" in line:
-            proc.send_signal(getattr(signal, name))
-            break
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 3, err
+    logged = [*args, "--progress", "log", "--log-every", "1", "--step-sleep", "0.3"]
+    code, err = signal_at_line(logged, "epoch 1/3 step 3/", name, tmp_path, timeout=120)
+    assert code == 3, err
     assert f"preempted ({name})" in err
     assert list_checkpoints(run / "checkpoints")
     resumed = run_cli(*args, cwd=tmp_path)

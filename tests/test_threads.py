@@ -5,7 +5,7 @@ import json
 import pytest
 
 from conftest import run_cli
-from dmltrain.launch import physical_cores, run_environment
+from dmltrain.launch import cpu_set, physical_cores, run_environment
 from dmltrain.threads import choose
 
 
@@ -47,7 +47,7 @@ def test_torchruns_own_omp_num_threads_is_not_the_users():
     assert run_environment({"SLURM_CPUS_PER_TASK": "4"}).cpus_per_task == 4
 
 
-CORES = physical_cores()
+CORES = physical_cores(cpu_set())
 SHARED = f"{CORES} core(s) shared by 2 process(es)"
 
 
