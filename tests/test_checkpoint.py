@@ -246,7 +246,8 @@ def test_async_checkpoints_give_the_same_run(tmp_path):
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
 
 
-FSDP = [*TINY, "--nprocs", "2", "--strategy", "fsdp", "--dropout", "0.2", "--augment"]
+RANDOM = ["--dropout", "0.2", "--augment"]  # random numbers in the step and in the data
+FSDP = [*TINY, "--nprocs", "2", "--strategy", "fsdp", *RANDOM]
 
 
 @pytest.fixture(scope="module")
@@ -293,11 +294,17 @@ def test_consolidate_makes_one_plain_file(fsdp_run, tmp_path):
         ["--load-weights", str(out)],
     ):
         run = tmp_path / f"from-{len(extra)}"
-        again = run_cli(*TINY, *extra, "--run-dir", str(run), cwd=tmp_path)
+        again = run_cli(*TINY, *RANDOM, *extra, "--run-dir", str(run), cwd=tmp_path)
         assert again.returncode == 0, again.stderr[-3000:]
     # a sharded checkpoint also loads directly into a 1-process run
     direct = run_cli(
-        *TINY, "--load-weights", str(latest), "--run-dir", str(tmp_path / "d"), cwd=tmp_path
+        *TINY,
+        *RANDOM,
+        "--load-weights",
+        str(latest),
+        "--run-dir",
+        str(tmp_path / "d"),
+        cwd=tmp_path,
     )
     assert direct.returncode == 0 and "weights loaded from" in direct.stdout, direct.stderr
     wrong = run_cli("consolidate", str(out), cwd=tmp_path)
