@@ -218,7 +218,9 @@ class Checkpointer:
         counters: bool,
     ) -> None:
         t = self.trainer
-        t.optimizer.zero_grad(set_to_none=True)  # loading may take a zero step (see save)
+        # loading may take a zero step (see save); set_to_none is the default, and Horovod's
+        # optimizer takes no arguments
+        t.optimizer.zero_grad()
         own = shapes_of(strip_prefixes(t.strategy.eval_model(t.model).state_dict()))
         if state.get("sharded"):
             check_model_fits(own, sharded_shapes(path), path)

@@ -171,6 +171,7 @@ def assert_same_run(run_a: Path, run_b: Path, rel: float = 0.0) -> None:
 # The tiny experiment's run that the cluster tests (test_slurm, test_pbs) compare with.
 TINY_RUN = ["tiny", "--epochs", "3", "--batch-size", "8", "--save-weights"]
 TINY_RUN += ["--progress", "log", "--log-every", "1"]
+TINY_RUN += ["--dropout", "0.2", "--augment"]  # resumes under srun and torchrun draw both
 
 
 @pytest.fixture(scope="session")

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from conftest import AT_ONCE, assert_same_run, cli_env, run_cli, signal_at_line
+from conftest import AT_ONCE, assert_same_run, cli_env, require, run_cli, signal_at_line
 from dmltrain.checkpoint import list_checkpoints, load_file
+from dmltrain.launch import free_port
 from dmltrain.preemption import AgreementSchedule, PreemptionWatcher
 
 TINY = ["tiny", "--epochs", "3", "--batch-size", "8", "--save-weights", "--progress", "off"]
@@ -219,3 +220,67 @@ def test_epochs_per_job_chain(uninterrupted, tmp_path):
         codes.append(done.returncode)
     assert codes == [3, 3, 0]
     assert_same_run(uninterrupted[1], run)
+
+
+MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2"]
+HOROVODRUN = ["horovodrun", "--gloo", "-np", "2", "-H", "localhost:2"]
+
+
+def under(launcher: str) -> list[str]:
+    """The command that starts 2 processes of ``python -m dmltrain`` under ``launcher``."""
+    dmltrain = [sys.executable, "-m", "dmltrain"]
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                "--master_port", str(free_port()), "-m", "dmltrain"]  # fmt: skip
+    require(launcher)
+    return [*(MPIRUN if launcher == "mpirun" else HOROVODRUN), *dmltrain]
+
+
+@pytest.fixture(scope="module")
+def horovod_uninterrupted(tmp_path_factory):
+    require("horovodrun")
+    run = tmp_path_factory.mktemp("horovod") / "run"
+    args = [*under("horovodrun"), *TINY, "--strategy", "horovod", "--run-dir", str(run)]
+    done = subprocess.run(args, cwd=run.parent, env=cli_env(), capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    return run
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "mpirun", "horovodrun"])
+@pytest.mark.parametrize("event", ["SIGUSR1 mid-epoch", "SIGUSR1 at an epoch's last step",
+                                   "kill -9 after a step checkpoint"])  # fmt: skip
+def test_resume_under_each_launcher_is_bit_exact(uninterrupted, request, tmp_path, launcher,
+                                                 event):  # fmt: skip
+    """Dropout in the step and augmentation in the data, 2 processes under torchrun, mpirun
+    and horovodrun (Horovod strategy): interrupted, then started again with the same
+    command, the run ends bitwise equal to one never interrupted under that launcher (srun:
+    test_slurm's preempted job; --nprocs: the tests above)."""
+    run = tmp_path / "run"
+    command = [*under(launcher), *TINY, "--run-dir", str(run)]
+    if launcher == "horovodrun":
+        command += ["--strategy", "horovod"]
+    # 6 steps an epoch; the fault comes during the step taken at this global step (0-based)
+    fault = {"SIGUSR1 mid-epoch": ["--signal-rank", "1", "--signal-at-step", "8", *AT_ONCE],
+             "SIGUSR1 at an epoch's last step": ["--signal-rank", "0", "--signal-at-step", "11",
+                                                 *AT_ONCE],
+             "kill -9 after a step checkpoint": ["--checkpoint-every-steps", "4", "--die-rank",
+                                                 "1", "--die-at-step", "9"]}[event]  # fmt: skip
+
+    def start(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run([*command, *extra], cwd=tmp_path, env=cli_env(),
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+
+    first = start(*fault)
+    assert first.returncode != 0, first.stdout[-2000:]
+    if event.startswith("SIGUSR1"):
+        assert "checkpoint saved" in first.stdout + first.stderr, first.stderr[-2000:]
+    resumed = start()
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-2000:]
+    stopped_at = {"SIGUSR1 mid-epoch": 9, "SIGUSR1 at an epoch's last step": 12,
+                  "kill -9 after a step checkpoint": 8}[event]  # fmt: skip
+    assert f"global step {stopped_at}" in resumed.stdout, resumed.stdout[-2000:]
+    if launcher == "horovodrun":  # Horovod sums in its own order: compared with itself
+        assert_same_run(request.getfixturevalue("horovod_uninterrupted"), run)
+    else:
+        assert_same_run(uninterrupted[2], run)
