@@ -23,7 +23,15 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from benchmarks.common import machine  # noqa: E402
 
-BENCHMARKS = ["overhead", "startup", "checkpoint", "scaling", "nan_check"]
+BENCHMARKS = [
+    "overhead",
+    "startup",
+    "checkpoint",
+    "scaling",
+    "nan_check",
+    "threads",
+    "data_pipeline",
+]
 
 
 def versions() -> str:
@@ -90,6 +98,16 @@ def targets(reports: dict) -> list[tuple[str, str, str, bool]]:
         rows.append(("2 processes vs 1 (samples/s)", f"{r:.2f}x (hand-written DDP: {p:.2f}x; "
                      f"2 processes without communication: {alone:.2f}x)", ">= 1.7x",
                      r >= 1.7))  # fmt: skip
+    th = reports.get("threads", {}).get("ratios", {})
+    if th:
+        r = th["mnist --nprocs 2 epoch: after / before"]
+        rows.append(("`dmltrain mnist --nprocs 2` epoch: each process's share of the cores vs "
+                     "every core each", f"{r:.2f}x", "< 1.0x", r < 1.0))  # fmt: skip
+    dp = reports.get("data_pipeline", {}).get("us_per_sample", {})
+    if dp:
+        us = dp["augmented, 0 workers"]
+        rows.append(("per-sample seeds in the training process (augmented MNIST, 0 workers)",
+                     f"{us:+.1f} us a sample", "<= 15 us", us <= 15))  # fmt: skip
     return rows
 
 

@@ -9,6 +9,9 @@ streams the model uses, and never from a stream whose position a resume would lo
   gets the same augmentation with any ``--num-workers``, any number of processes, and
   after any resume; in the training process the generators are put back afterwards, so
   the model's stream does not move.
+  A dataset known to draw nothing (``TensorDataset``, and ``Subset``/``ConcatDataset``
+  of those) is fetched without seeds: seeding costs about 7 us a sample
+  (``benchmarks/data_pipeline.py``).
 - ``iterate`` creates a loader's iterator without moving the global torch generator
   (a DataLoader without a generator of its own draws its workers' base seed from it).
 
@@ -23,7 +26,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset, DistributedSampler, Sampler, get_worker_info
+from torch.utils.data import (
+    ConcatDataset,
+    Dataset,
+    DistributedSampler,
+    Sampler,
+    Subset,
+    TensorDataset,
+    get_worker_info,
+)
 
 VALIDATION = -1  # the epoch part of validation keys: the same draws at every validation
 _MASK64 = (1 << 64) - 1
@@ -48,14 +59,25 @@ def _seed_generators(seed: int) -> None:
     random.seed(seed)
 
 
+def draws_nothing(dataset: Dataset) -> bool:
+    """Whether fetching a sample of ``dataset`` is known to draw no random numbers."""
+    if isinstance(dataset, Subset):
+        return draws_nothing(dataset.dataset)
+    if isinstance(dataset, ConcatDataset):
+        return all(draws_nothing(part) for part in dataset.datasets)
+    return type(dataset) is TensorDataset
+
+
 class SeededSamples(Dataset):
     """``dataset`` whose item ``(epoch, index)`` is ``dataset[index]`` drawn with torch's,
-    numpy's and Python's generators seeded from (seed, epoch, index). A plain index is
-    passed through unseeded (a sampler of your own). Other attributes are the dataset's."""
+    numpy's and Python's generators seeded from (seed, epoch, index) (unseeded where the
+    dataset draws nothing). A plain index is passed through unseeded (a sampler of your
+    own). Other attributes are the dataset's."""
 
     def __init__(self, dataset: Dataset, seed: int) -> None:
         self.dataset = dataset
         self.seed = seed
+        self.seeded = not draws_nothing(dataset)
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
@@ -67,6 +89,8 @@ class SeededSamples(Dataset):
         """A batch's samples (the DataLoader fetches a batch with one call)."""
         if not keys or not isinstance(keys[0], tuple):
             return [self.dataset[key] for key in keys]
+        if not self.seeded:
+            return [self.dataset[index] for _, index in keys]
         # A worker's generators are its own; the training process's are the model's.
         saved = None if get_worker_info() is not None else _generator_states()
         try:

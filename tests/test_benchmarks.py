@@ -18,10 +18,10 @@ def test_quick_mode_writes_results_and_plot(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     results = (tmp_path / "RESULTS.md").read_text()
     for section in ("## Targets", "## overhead", "## startup", "## checkpoint", "## scaling",
-                    "## nan_check"):  # fmt: skip
+                    "## nan_check", "## threads", "## data_pipeline"):  # fmt: skip
         assert section in results, section
     targets = results.split("## Targets", 1)[1].split("## overhead", 1)[0]
-    assert targets.count("| yes |") + targets.count("| NO |") >= 8
+    assert targets.count("| yes |") + targets.count("| NO |") >= 10
     for contender in ("plain", "dmltrain", "lightning", "fabric", "accelerate", "dmlcloud"):
         assert f"| {contender} |" in results, contender
     if REQUIRE_ALL:  # tests/run.sh installs benchmarks/requirements.txt
