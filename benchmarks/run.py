@@ -1,6 +1,6 @@
 """Run every benchmark and write RESULTS.md and results.png.
 
-    python -m benchmarks.run            # full mode (about 35 minutes on 2 CPU cores)
+    python -m benchmarks.run            # full mode (about 13 minutes on 2 CPU cores)
     python -m benchmarks.run --quick    # quick mode (minutes; CI runs it as a smoke test)
     python -m benchmarks.run --quick --out /tmp/bench --only overhead,startup
 
