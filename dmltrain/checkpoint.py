@@ -20,17 +20,16 @@ turns one into a single ``.pt`` file of the same format as above.
 
 import errno
 import os
-import random
 import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from dmltrain.errors import UserError, first_line
+from dmltrain.snapshot import snapshot
 
 FORMAT_VERSION = 1
 PREFIX = "ckpt-"
@@ -185,32 +184,6 @@ def load_latest_valid(directory: Path, warn: Any) -> tuple[Path, dict[str, Any]]
         except UserError as exc:
             warn(f"{exc}; falling back to the previous checkpoint")
     return None
-
-
-def snapshot(obj: Any, into: Any = None) -> Any:
-    """A copy of ``obj`` whose tensors no longer share memory with the live model.
-
-    Tensors are copied into the matching tensors of ``into`` (an earlier snapshot of the
-    same structure) where shapes and dtypes agree: reusing that memory saves allocating
-    and page-faulting the whole state again, most of the cost of a copy on the CPU.
-    """
-    if isinstance(obj, torch.Tensor):
-        if (
-            isinstance(into, torch.Tensor)
-            and into.shape == obj.shape
-            and into.dtype == obj.dtype
-            and into.device.type == "cpu"
-        ):
-            return into.copy_(obj.detach())
-        return obj.detach().to("cpu", copy=True)
-    if isinstance(obj, dict):
-        old = into if isinstance(into, dict) else {}
-        return {key: snapshot(value, old.get(key)) for key, value in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        old_items = list(into) if isinstance(into, (list, tuple)) else []
-        old_items += [None] * (len(obj) - len(old_items))
-        return type(obj)(snapshot(v, o) for v, o in zip(obj, old_items, strict=False))
-    return obj
 
 
 class CheckpointDir:
@@ -372,116 +345,3 @@ def consolidate(source: Path, target: Path) -> Path:
     state.update(model=shards["model"], optimizer=shards.get("optimizer"))
     atomic_save(state, target)
     return target
-
-
-def shapes_of(weights: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
-    return {key: tuple(value.shape) for key, value in weights.items()}
-
-
-def check_model_fits(
-    own: dict[str, tuple[int, ...]], saved: dict[str, tuple[int, ...]], source: Path
-) -> None:
-    """A UserError naming missing/unexpected keys and shape mismatches, if any (both
-    arguments map parameter names to shapes: the model's and the checkpoint's)."""
-    missing = sorted(set(own) - set(saved))
-    unexpected = sorted(set(saved) - set(own))
-    shapes = [
-        f"{k} {saved[k]} in checkpoint vs {own[k]} in model"
-        for k in sorted(set(own) & set(saved))
-        if own[k] != saved[k]
-    ]
-    problems = []
-    if missing:
-        problems.append(f"missing keys {_few(missing)}")
-    if unexpected:
-        problems.append(f"unexpected keys {_few(unexpected)}")
-    if shapes:
-        problems.append(f"shape mismatch: {_few(shapes)}")
-    if problems:
-        raise UserError(f"checkpoint {source} does not fit this model: {'; '.join(problems)}")
-
-
-def _few(items: list[str], n: int = 4) -> str:
-    shown = ", ".join(items[:n])
-    return shown + (f" (+{len(items) - n} more)" if len(items) > n else "")
-
-
-def strip_prefixes(weights: dict[str, Any]) -> dict[str, Any]:
-    """Model keys without wrapper prefixes (DDP's ``module.``, torch.compile's ``_orig_mod.``)."""
-    out = {}
-    for key, value in weights.items():
-        for prefix in ("module.", "_orig_mod."):
-            key = key.replace(prefix, "")
-        out[key] = value
-    return out
-
-
-def _parameter_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
-    """The name of each optimizer parameter, in the optimizer's order."""
-    names = {id(p): key for key, p in strip_prefixes(dict(model.named_parameters())).items()}
-    try:
-        return [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-    except KeyError:
-        raise UserError("the optimizer holds parameters that are not the model's") from None
-
-
-def optimizer_state_by_name(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """``optimizer.state_dict()`` keyed by parameter name instead of position: the format
-    ``torch.distributed.checkpoint`` writes for a full state dict, so checkpoints of every
-    strategy load into every other. Without FSDP this needs neither that module (0.8 s and
-    some 45 MiB to import) nor copies of the tensors."""
-    names = _parameter_names(model, optimizer)
-    raw = optimizer.state_dict()
-    return {
-        "state": {names[i]: value for i, value in raw["state"].items()},
-        "param_groups": [
-            {**group, "params": [names[i] for i in group["params"]]}
-            for group in raw["param_groups"]
-        ],
-    }
-
-
-def load_optimizer_state_by_name(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: dict, path: Path
-) -> None:
-    """The inverse of ``optimizer_state_by_name``."""
-    index = {name: i for i, name in enumerate(_parameter_names(model, optimizer))}
-    try:
-        state = {index[name]: value for name, value in saved["state"].items()}
-        groups = [
-            {**group, "params": [index[name] for name in group["params"]]}
-            for group in saved["param_groups"]
-        ]
-        optimizer.load_state_dict({"state": state, "param_groups": groups})
-    except (KeyError, ValueError) as exc:
-        raise UserError(
-            f"the optimizer state in {path} does not fit this model and optimizer "
-            f"({first_line(exc)}); use --load-weights without --load-optimizer"
-        ) from None
-
-
-# ----- random number generator state (weights_only-safe) --------------------------------------
-def rng_state() -> dict[str, Any]:
-    np_state: tuple[Any, ...] = np.random.get_state()  # type: ignore[assignment]
-    return {
-        "python": random.getstate(),
-        "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(_tuples(state["python"]))
-    kind, keys, *rest = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), *rest))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _tuples(value: Any) -> Any:
-    """random.setstate needs tuples where a round trip may have produced lists."""
-    if isinstance(value, (list, tuple)):
-        return tuple(_tuples(v) for v in value)
-    return value

@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 
 import argparse_dataclass
 
-from dmltrain import launch
+from dmltrain import processes
 from dmltrain.config import CONCERNS, TrainConfig, field_names, load_config_file
 from dmltrain.errors import UserError, run_reporting_errors
 from dmltrain.trainer import BaseTrainer
@@ -278,8 +278,8 @@ def main(argv: Sequence[str] | None = None, experiments: Sequence[Experiment] = 
     status = run_reporting_errors(trainer.fit, trainer.dist.rank, trainer.dist.world_size)
     if config.status_file and trainer.dist.rank == 0:
         Path(config.status_file).write_text(f"{status}\n")
-    if launch.started_by_launcher(trainer.dist):
-        launch.leave(status)  # the same exit as --nprocs workers, for the same reason
+    if processes.started_by_launcher(trainer.dist):
+        processes.leave(status)  # the same exit as --nprocs workers, for the same reason
     return status
 
 

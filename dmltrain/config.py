@@ -380,3 +380,12 @@ def to_yaml(groups: list[tuple[str, Any]]) -> str:
 def section(instance: Any, cls: type) -> Any:
     """The part of ``instance`` (a TrainConfig) that belongs to concern ``cls``, as ``cls``."""
     return cls(**{name: getattr(instance, name) for name in field_names(cls)})
+
+
+def as_plain(config: Any, options: Any) -> dict[str, Any]:
+    """The resolved config as plain values: training settings and experiment options (what
+    checkpoints, diagnostics and the tracker record)."""
+    plain = {}
+    if dataclasses.is_dataclass(options) and not isinstance(options, type):
+        plain = dataclasses.asdict(options)
+    return {"train": dataclasses.asdict(config), "options": plain}

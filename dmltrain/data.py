@@ -30,6 +30,7 @@ from torch.utils.data import (
     ConcatDataset,
     Dataset,
     DistributedSampler,
+    IterableDataset,
     Sampler,
     Subset,
     TensorDataset,
@@ -107,6 +108,12 @@ class SeededSamples(Dataset):
         if name == "dataset":  # not set yet (unpickling): no recursion
             raise AttributeError(name)
         return getattr(self.dataset, name)
+
+
+def keyed(dataset: Dataset, seed: int) -> Dataset:
+    """``dataset`` as the loop's samplers read it: a map-style one in ``SeededSamples``;
+    an ``IterableDataset`` (no sampler) as it is."""
+    return dataset if isinstance(dataset, IterableDataset) else SeededSamples(dataset, seed)
 
 
 def _generator_states() -> tuple[Any, ...]:

@@ -29,6 +29,18 @@ from dmltrain.errors import PeerLost, UserError, first_line
 from dmltrain.launch import DistInfo, default_device, hostname
 
 
+def unwrap(model: nn.Module) -> nn.Module:
+    """The experiment's own module inside torch.compile's and DDP's wrappers: its
+    parameter names carry no wrapper prefix (a submodule named ``module`` keeps its name)."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's
+            model = model._orig_mod  # type: ignore[assignment]
+        else:
+            return model
+
+
 class Strategy:
     """One process, nothing to synchronise. The base of the distributed strategies."""
 
@@ -160,8 +172,7 @@ class DDPStrategy(Strategy):
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
 
     def eval_model(self, model: nn.Module) -> nn.Module:
-        model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
-        return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+        return unwrap(model)  # DDP's forward would take part in collectives
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
         inner = getattr(model, "_orig_mod", model)
@@ -217,7 +228,7 @@ class FSDPStrategy(DDPStrategy):
 
     def eval_model(self, model: nn.Module) -> nn.Module:
         # FSDP's forward gathers parameters: every rank must run it
-        return getattr(model, "_orig_mod", model)
+        return unwrap(model)
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dmltrain import launch
+from dmltrain import launch, processes
 from dmltrain.errors import first_line
 
 
@@ -253,6 +253,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"dmltrain doctor on {launch.hostname()}{hosts}\n{table(results)}")
         verdict = f"FAILED: {', '.join(failed)}" if failed else "all required checks passed"
         print(f"dmltrain doctor: {verdict}")
-    if launch.started_by_launcher(info):
-        launch.leave(1 if failed else 0)  # past a Gloo group, as a training run does
+    if processes.started_by_launcher(info):
+        processes.leave(1 if failed else 0)  # past a Gloo group, as a training run does
     return 1 if failed else 0

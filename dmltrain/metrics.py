@@ -6,8 +6,8 @@ import torch
 from torch import Tensor
 
 from dmltrain.batches import to_device
-from dmltrain.checkpoint import snapshot
 from dmltrain.errors import UserError
+from dmltrain.snapshot import snapshot
 
 Values = Mapping[str, Tensor | float]
 

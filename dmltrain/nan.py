@@ -20,9 +20,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from dmltrain.checkpoint import strip_prefixes
-
-KINDS = ("loss", "gradient", "parameter")
+from dmltrain.errors import NonFiniteError
 
 
 def _local(tensor: Tensor) -> Tensor:
@@ -78,13 +76,10 @@ class NanChecker:
         all_gather_object: Callable[[object], list[object]],
         report: Path,
     ) -> None:
-        named = dict(model.named_parameters())
-        names = strip_prefixes({name: name for name in named})
-        self.named = [(names[name], p) for name, p in named.items()]
+        self.named = list(model.named_parameters())  # the unwrapped model's: plain names
         self.rank, self.world_size, self.device = rank, world_size, device
         self.all_reduce_sum, self.all_gather_object = all_reduce_sum, all_gather_object
         self.report = report
-        self.events = 0
 
     def flags(self, loss: Tensor | None, gradients: bool, parameters: bool) -> dict[str, Tensor]:
         """Local device flags (no sync) for the parts asked for."""
@@ -129,6 +124,24 @@ class NanChecker:
             found += [n for n in names if n not in found]  # type: ignore[attr-defined]
         return found[:few]
 
+    def act(
+        self, event: NanEvent, mode: str, info: Callable[[str], None], newest: Path | None
+    ) -> NanEvent | None:
+        """What ``--on-nan`` ``mode`` does with ``event``, the same on every rank: None when
+        the step is dropped (skip), the event when the run rolls back; ``raise`` stops
+        (``NonFiniteError`` naming ``newest``, the last good checkpoint)."""
+        if mode == "skip" and event.kind == "parameter":
+            mode = "rollback"  # the update is applied already: only a checkpoint undoes it
+        if mode == "skip":
+            self.record(event, "step skipped on every rank", info)
+            return None
+        if mode == "rollback":
+            self.record(event, "rolling back to the last checkpoint", info)
+            return event
+        line = self.record(event, "stopping", None)  # the exit line says it
+        kept = f"; last good checkpoint: {newest}" if newest else "; no checkpoint yet"
+        raise NonFiniteError(line + kept + f" (report: {self.report})")
+
     def record(self, event: NanEvent, action: str, info: Callable[[str], None] | None) -> str:
         """Rank 0 appends the event to the report file and prints it (with ``info``)."""
         line = f"NaN check: {event.describe()}; {action}"
@@ -137,5 +150,4 @@ class NanChecker:
                 info(f"dmltrain: {line}")
             with open(self.report, "a") as handle:
                 handle.write(line + "\n")
-        self.events += 1
         return line

@@ -79,7 +79,8 @@ class Precision:
             optimizer.step()
             return
         # GradScaler keeps its scale as a device tensor; comparing it before and after the
-        # update tells an overflow step without a host sync.
+        # update tells an overflow step without a host sync. Private: its public
+        # get_scale() returns a float, a host sync every step.
         before = self.scaler._scale.clone()  # type: ignore[union-attr]
         self.scaler.step(optimizer)
         self.scaler.update()

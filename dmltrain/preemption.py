@@ -93,6 +93,23 @@ class AgreementSchedule:
         self._every = self._left = steps
 
 
+def agree(
+    schedule: AgreementSchedule,
+    watcher: PreemptionWatcher,
+    max_over_ranks: Callable[[list[int]], list[int]],
+    save_due: Callable[[], bool],
+) -> tuple[bool, bool]:
+    """At a step boundary, on every rank: whether all ranks stop here (any rank was
+    signalled or reached the deadline) and whether a timed checkpoint is due (on any
+    rank), agreed in one collective when ``schedule`` says it is time; else both False."""
+    if not schedule.due():
+        return False, False
+    request, wait = watcher.local_request(), schedule.proposal()
+    stop, save, smallest = max_over_ranks([request, save_due(), -wait])
+    schedule.agreed(-smallest)
+    return bool(stop), bool(save)
+
+
 def requeue(job_id: str | None, say: Callable[[str], None]) -> None:
     """Ask Slurm to requeue this job (rank 0 only); explain when that is impossible."""
     if job_id is None:

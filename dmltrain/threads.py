@@ -41,3 +41,10 @@ def choose(flag: int, workers: int, ranks: list[dict[str, Any]], rank: int) -> T
     if workers:
         why += f", {workers} loader worker(s)"
     return ThreadChoice(threads, why)
+
+
+def assign(flag: int, workers: int, ranks: list[dict[str, Any]]) -> None:
+    """Every rank's choice into its entry of ``ranks`` (``threads``, ``threads_why``)."""
+    for rank, entry in enumerate(ranks):
+        choice = choose(flag, workers, ranks, rank)
+        entry.update(threads=choice.threads, threads_why=choice.why)

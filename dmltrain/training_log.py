@@ -7,26 +7,19 @@ from pathlib import Path
 from typing import Any
 
 
-class TrainingLog:
-    def __init__(self, path: Path, rows: list[dict[str, Any]] | None = None) -> None:
-        self.path = path
-        self.rows: list[dict[str, Any]] = list(rows or [])
-
-    def append(self, row: dict[str, Any]) -> None:
-        self.rows.append(row)
-        self.write()
-
-    def write(self) -> None:
-        columns: list[str] = []
-        for row in self.rows:
-            columns += [key for key in row if key not in columns]
-        buffer = io.StringIO()
-        writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
-        writer.writeheader()
-        writer.writerows(self.rows)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(buffer.getvalue())
-        os.replace(tmp, self.path)
+def write_training_log(path: Path, rows: list[dict[str, Any]]) -> None:
+    """All ``rows`` (columns in order of first appearance; a missing value is empty),
+    written to a temporary file and renamed over ``path``."""
+    columns: list[str] = []
+    for row in rows:
+        columns += [key for key in row if key not in columns]
+    buffer = io.StringIO()
+    writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(buffer.getvalue())
+    os.replace(tmp, path)
 
 
 def read_training_log(path: Path | str) -> list[dict[str, float]]:

@@ -14,7 +14,7 @@ import torch
 from conftest import AT_ONCE, REQUIRE_ALL, ROOT, assert_same_run, run_cli
 from dmltrain import TrainConfig, UserError
 from dmltrain.checkpoint import CheckpointDir, list_checkpoints, load_file, load_latest_valid
-from tiny import TinyOptions, TinyTrainer
+from tiny import TinyOptions, TinyTrainer, WrapperNames
 
 TINY = ["tiny", "--epochs", "3", "--batch-size", "8", "--save-weights", "--progress", "off"]
 
@@ -23,6 +23,27 @@ def fit(run, **config):
     config = {"epochs": 2, "batch_size": 16, "progress": "off", **config}
     trainer = TinyTrainer(TrainConfig(run_dir=str(run), **config), TinyOptions(save_weights=True))
     return trainer, trainer.fit()
+
+
+def test_submodules_named_like_wrappers_keep_their_names(tmp_path):
+    """Submodules named ``module`` and ``attn_module``, trained under DDP and
+    torch.compile (both wrap the model and prefix its names) and resumed: the checkpoint
+    holds the model's own names and loads into the bare model with strict loading."""
+    run = tmp_path / "run"
+    args = [*TINY, "--wrapper-names", "--nprocs", "2", "--compile", "--run-dir", str(run)]
+    done = run_cli(*args, "--epochs", "2", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    resumed = run_cli(*args, cwd=tmp_path)
+    assert resumed.returncode == 0 and "resuming from" in resumed.stdout, resumed.stderr[-2000:]
+    state = load_file(run / "checkpoints" / "latest.pt")
+    assert state["global_step"] == 3 * 96 // 16
+    names = ["attn_module.bias", "attn_module.weight", "module.bias", "module.weight"]
+    assert sorted(state["model"]) == names
+    assert sorted(state["optimizer"]["state"]) == names
+    bare = WrapperNames(features=4)
+    bare.load_state_dict(state["model"], strict=True)
+    final = torch.load(run / "final_weights.pt", weights_only=True)
+    assert all(torch.equal(bare.state_dict()[k], final[k]) for k in names)
 
 
 def test_contents_load_with_plain_torch_and_no_prefixes(tmp_path):

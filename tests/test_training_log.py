@@ -1,14 +1,15 @@
 import math
 
-from dmltrain.training_log import TrainingLog, read_training_log
+from dmltrain.training_log import read_training_log, write_training_log
 
 
-def test_rows_written_after_each_append_with_full_precision(tmp_path):
+def test_rows_rewritten_whole_with_full_precision(tmp_path):
     path = tmp_path / "training_log.csv"
-    log = TrainingLog(path)
-    log.append({"epoch": 1, "train_loss": 0.1234567890123, "lr": 0.001})
+    rows = [{"epoch": 1, "train_loss": 0.1234567890123, "lr": 0.001}]
+    write_training_log(path, rows)
     assert read_training_log(path) == [{"epoch": 1.0, "train_loss": 0.1234567890123, "lr": 0.001}]
-    log.append({"epoch": 2, "train_loss": 0.05, "val_acc": 0.9, "lr": 0.001})
+    rows.append({"epoch": 2, "train_loss": 0.05, "val_acc": 0.9, "lr": 0.001})
+    write_training_log(path, rows)
     rows = read_training_log(path)
     assert [r["epoch"] for r in rows] == [1.0, 2.0]
     assert math.isnan(rows[0]["val_acc"]) and rows[1]["val_acc"] == 0.9

@@ -43,6 +43,23 @@ class TinyOptions:
         default=False,
         metadata={"help": "random augmentation in __getitem__ (torch, numpy and random)"},
     )
+    wrapper_names: bool = field(
+        default=False,
+        metadata={"help": "a model whose submodules are named module and attn_module"},
+    )
+
+
+class WrapperNames(nn.Module):
+    """Submodules named like wrappers' prefixes (DDP's ``module``): the names must survive
+    a checkpoint of the wrapped model."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.module = nn.Linear(features, 8)
+        self.attn_module = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return self.attn_module(torch.tanh(self.module(x)))
 
 
 class Augmented(Dataset):
@@ -72,6 +89,8 @@ class TinyTrainer(BaseTrainer):
         if self.opts.exit_note:  # an experiment's own clean-up, as a user would register it
             note = f"{self.opts.exit_note}.{self.dist.rank}"
             atexit.register(lambda: open(note, "w").close())
+        if self.opts.wrapper_names:
+            return WrapperNames(self.opts.features)
         layers = [nn.Linear(self.opts.features, 8), nn.Tanh(), nn.Linear(8, 1)]
         if self.opts.dropout:
             layers.insert(2, nn.Dropout(self.opts.dropout))

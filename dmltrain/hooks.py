@@ -1,0 +1,98 @@
+"""What an experiment gives the loop: the three methods it must write (model, data, the
+loss of a step) and those it may override (optimizer, scheduler, validation metrics,
+data loaders, FSDP units, and hooks called at points of the loop).
+
+``BaseTrainer`` (``dmltrain.trainer``) runs the loop around them; subclass it.
+"""
+
+import abc
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from dmltrain.batches import StepOutput, split_step_output
+from dmltrain.config import TrainConfig
+from dmltrain.distributed import Strategy
+
+
+class TrainerHooks(abc.ABC):
+    """The experiment's side of ``BaseTrainer``."""
+
+    scheduler_interval = "epoch"  # or "step": when the LR scheduler steps
+    config: TrainConfig
+    strategy: Strategy
+    device: torch.device
+
+    # ----- what an experiment provides -------------------------------------------------
+    @abc.abstractmethod
+    def create_model(self) -> nn.Module:
+        """The model, on the CPU; the trainer moves and wraps it."""
+
+    @abc.abstractmethod
+    def create_datasets(self) -> tuple[Dataset, Dataset | None]:
+        """The training dataset and the validation dataset (or None)."""
+
+    @abc.abstractmethod
+    def train_step(self, batch: Any) -> StepOutput:
+        """The loss of one batch (already on the device), optionally with a dict of metrics."""
+
+    def create_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        cfg = self.config
+        params = model.parameters()
+        if cfg.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+        optimizer_cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
+        return optimizer_cls(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+    def create_scheduler(self, optimizer: torch.optim.Optimizer) -> Any:
+        """An LR scheduler stepped every epoch (or step, see ``scheduler_interval``); None."""
+        return None
+
+    def val_step(self, batch: Any) -> Mapping[str, Tensor | float]:
+        """Validation metrics of one batch; by default the training loss."""
+        loss, metrics = split_step_output(self.train_step(batch))
+        return {"loss": loss, **metrics}
+
+    def prepare_data(self) -> None:
+        """Download or unpack data; runs on one process per node before create_datasets."""
+
+    def fsdp_units(self, model: nn.Module) -> list[nn.Module]:
+        """Modules that become FSDP units (then the root): children that own parameters."""
+        return [child for child in model.children() if any(True for _ in child.parameters())]
+
+    def create_dataloader(self, dataset: Dataset, train: bool) -> DataLoader:
+        cfg = self.config
+        sampler: Sampler[tuple[int, int]] = (
+            self.strategy.train_sampler(dataset, cfg.seed)
+            if train
+            else self.strategy.val_sampler(dataset)
+        )
+        return DataLoader(
+            dataset,
+            batch_size=cfg.batch_size,
+            sampler=sampler,
+            num_workers=cfg.num_workers,
+            pin_memory=self.device.type == "cuda",
+            persistent_workers=cfg.num_workers > 0,
+            drop_last=False,
+        )
+
+    # ----- optional hooks ----------------------------------------------------------------
+    def on_train_start(self) -> None:
+        """Called once, after setup, before the first epoch."""
+
+    def on_epoch_start(self, epoch: int) -> None:
+        """Called before each epoch (0-based)."""
+
+    def on_epoch_end(self, epoch: int, metrics: dict[str, float]) -> None:
+        """Called after each epoch with the row just written to the training log."""
+
+    def on_train_end(self) -> None:
+        """Called once after the last epoch."""
+
+    def on_after_backward(self) -> None:
+        """Called after the backward pass(es) of a step, before gradients are checked,
+        clipped and applied."""

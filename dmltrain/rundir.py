@@ -1,0 +1,70 @@
+"""The run directory: which one a run uses, whether it can, and the records written into
+it at start (``config.yaml``, ``diagnostics.json``).
+
+Everything a run writes goes there: checkpoints, ``training_log.csv``, the records, the
+tracker's files. A directory already holding a run resumes it (``--resume auto``); one
+holding a finished run with no checkpoint, a file, or a path that cannot be created is
+refused with one line.
+"""
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from dmltrain import diagnostics
+from dmltrain.checkpoint import list_checkpoints
+from dmltrain.errors import UserError
+
+
+def default_path(name: str, job_id: str | None) -> str:
+    """``runs/<experiment>-<job id or the time>``."""
+    return f"runs/{name}-{job_id or time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def problem(path: Path) -> str | None:
+    """Why ``path`` cannot be the run directory (it is created here if missing), or None."""
+    if path.exists() and not path.is_dir():
+        return f"--run-dir {path} is a file, not a directory; pass a directory"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        return f"cannot create the run directory {path}: {exc.strerror}; pass another --run-dir"
+    return None
+
+
+def check(path: Path) -> None:
+    """``problem`` as a ``UserError``."""
+    error = problem(path)
+    if error:
+        raise UserError(error)
+
+
+def choose(
+    requested: str | None, default: str, resume: str, is_main: bool, broadcast: Callable[[Any], Any]
+) -> Path:
+    """Rank 0 decides (``requested``, else ``default``) and checks the directory, creating
+    it; every rank gets its decision: the path, or the ``UserError`` saying why not."""
+    decision: tuple[str, str | None] = ("", None)
+    if is_main:
+        path = Path(requested or default)
+        error = problem(path)
+        resumable = resume == "auto" and list_checkpoints(path / "checkpoints")
+        if error is None and (path / "training_log.csv").exists() and not resumable:
+            error = (
+                f"run directory {path} already holds a run (training_log.csv) with no "
+                "checkpoint to resume; pass a new --run-dir to start another"
+            )
+        decision = (str(path), error)
+    chosen, error = broadcast(decision)
+    if error:
+        raise UserError(error)
+    return Path(chosen)
+
+
+def write_records(run_dir: Path, config_yaml: str, info: dict[str, Any]) -> str:
+    """``config.yaml`` and ``diagnostics.json`` (rank 0); returns the startup summary."""
+    (run_dir / "config.yaml").write_text(config_yaml)
+    path = run_dir / "diagnostics.json"
+    diagnostics.write(info, path)
+    return diagnostics.summary(info, path)

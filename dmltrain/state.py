@@ -1,0 +1,69 @@
+"""``TrainState``: where a run is, what it has logged, and its best value so far.
+
+Together with the model, optimizer, scheduler, precision and RNG states it is what a
+checkpoint holds (``dmltrain.checkpointer``). Every rank keeps the same values, except
+``metrics``: each rank's sums of the epoch in progress.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from dmltrain.metrics import MetricAccumulator
+
+
+@dataclass
+class TrainState:
+    device: torch.device
+    epoch: int = 0  # epochs completed (the one in progress, 0-based)
+    step_in_epoch: int = 0  # optimizer steps done in the epoch in progress
+    global_step: int = 0
+    best_value: float | None = None  # of --best-metric
+    tracking_run_id: str | None = None
+    skip_steps: set[tuple[int, int]] = field(default_factory=set)  # (epoch, step) known bad
+    log_rows: list[dict[str, Any]] = field(default_factory=list)  # training_log.csv
+    metrics: MetricAccumulator = field(init=False)  # this rank's sums of the epoch in progress
+
+    def __post_init__(self) -> None:
+        self.metrics = MetricAccumulator(self.device)
+
+    def end_epoch(self) -> None:
+        """The epoch in progress is done (its row is in ``log_rows``)."""
+        self.epoch, self.step_in_epoch = self.epoch + 1, 0
+        self.metrics = MetricAccumulator(self.device)
+
+    def improves(self, value: float | None, mode: Literal["min", "max"]) -> bool:
+        """Whether ``value`` beats the best so far (then it becomes the best)."""
+        if value is None or value != value:  # missing or NaN
+            return False
+        best = self.best_value
+        if best is not None and not (value < best if mode == "min" else value > best):
+            return False
+        self.best_value = value
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        """What every rank shares (``metrics`` is per rank: ``metrics.state_dict()``)."""
+        return {
+            "epoch": self.epoch,
+            "step_in_epoch": self.step_in_epoch,
+            "global_step": self.global_step,
+            "best_value": self.best_value,
+            "tracking_run_id": self.tracking_run_id,
+            "skip_steps": sorted(self.skip_steps),
+            "training_log": list(self.log_rows),
+        }
+
+    def load_state_dict(self, state: dict[str, Any], metrics: dict[str, Any] | None) -> None:
+        """Counters and log from ``state``, this rank's partial-epoch sums from ``metrics``.
+        Steps known to be bad stay known (a rollback loads a checkpoint saved before)."""
+        self.epoch, self.step_in_epoch = state["epoch"], state["step_in_epoch"]
+        self.global_step = state["global_step"]
+        self.best_value = state.get("best_value")
+        self.tracking_run_id = state.get("tracking_run_id")
+        self.skip_steps |= {(int(e), int(s)) for e, s in state.get("skip_steps", [])}
+        self.log_rows = list(state["training_log"])
+        self.metrics = MetricAccumulator(self.device)
+        if metrics is not None:
+            self.metrics.load_state_dict(metrics)
