@@ -1,89 +1,19 @@
+"""Fixtures: a local HTTP server, the Slurm cluster, the cluster tests' reference run.
+The helpers the tests import are in helpers.py."""
+
 import functools
 import http.server
-import os
-import shutil
-import signal
 import subprocess
-import sys
 import threading
-from pathlib import Path
 
 import pytest
-import torch
-
-from dmltrain.launch import free_port
-from dmltrain.training_log import read_training_log
-
-ROOT = Path(__file__).resolve().parent.parent
-TESTS = ROOT / "tests"
-SAMPLE = ROOT / "experiments" / "mnist_sample"
-
-
-def cli_env(gpus: bool = False, **extra: str) -> dict[str, str]:
-    """The environment for a dmltrain subprocess: tests/ importable, no batch-system ids,
-    and no GPUs unless asked for (the mechanics tests run on the CPU with Gloo, as in CI)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PBS_"))}
-    env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(ROOT), env.get("PYTHONPATH", "")])
-    if not gpus:
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    env.update(extra)
-    return env
-
-
-def run_cli(
-    *args: str, cwd: Path, timeout: float = 300, gpus: bool = False, **env: str
-) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "dmltrain", *args],
-        cwd=cwd,
-        env=cli_env(gpus, **env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-
-
-def signal_at_line(
-    args: list[str], line: str, name: str, cwd: Path, timeout: float = 300
-) -> tuple[int, str]:
-    """Run ``dmltrain ARGS`` and send it signal ``name`` when it prints a line containing
-    ``line`` (a progress line); its exit status and stderr."""
-    proc = subprocess.Popen([sys.executable, "-m", "dmltrain", *args], cwd=cwd, env=cli_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
-    assert proc.stdout is not None
-    for out in proc.stdout:
-        if line in out:
-            proc.send_signal(getattr(signal, name))
-            break
-    _, err = proc.communicate(timeout=timeout)
-    return proc.returncode, err
-
-
-def start_ranks(command: list[str], cwd: Path, world_size: int = 2) -> list[subprocess.Popen]:
-    """Start ``world_size`` processes of ``command`` as ranks of one job with no launcher
-    (the variables torchrun would set), each with its own pipes, so a test sees every
-    rank's exit status."""
-    port = str(free_port())
-    procs = []
-    for rank in range(world_size):
-        env = cli_env(
-            RANK=str(rank),
-            WORLD_SIZE=str(world_size),
-            LOCAL_RANK=str(rank),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-        )
-        procs.append(
-            subprocess.Popen(
-                command,
-                env=env,
-                cwd=cwd,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    return procs
+from helpers import (
+    REQUIRE_ALL,
+    TESTS,
+    TINY_RUN,
+    require,
+    run_cli,
+)
 
 
 @pytest.fixture
@@ -103,22 +33,6 @@ def http_dir(tmp_path):
     yield root, f"http://127.0.0.1:{server.server_address[1]}/"
     server.shutdown()
     server.server_close()
-
-
-# tests/run.sh sets this: there a missing component fails the suite instead of skipping.
-REQUIRE_ALL = os.environ.get("DMLTRAIN_TEST_REQUIRE_ALL") == "1"
-# Ranks agree on a signal at every step, so a signal sent at step N stops the run at step N
-# (by default they agree about every half second: a test run would end first).
-AT_ONCE = ("--preempt-check-seconds", "0")
-
-
-def require(tool: str) -> None:
-    """Skip (plain pytest) or fail (tests/run.sh) when a command-line tool is missing."""
-    if shutil.which(tool) is None:
-        message = f"{tool} is not installed; tests/run.sh installs it"
-        if REQUIRE_ALL:
-            pytest.fail(message)
-        pytest.skip(message)
 
 
 def _slurm_up() -> bool:
@@ -142,36 +56,6 @@ def slurm():
         if REQUIRE_ALL:
             pytest.fail(message)
         pytest.skip(message)
-
-
-def log_numbers(run: Path) -> list[dict[str, float]]:
-    """The training log without its wall-clock column."""
-    rows = read_training_log(run / "training_log.csv")
-    return [{k: v for k, v in row.items() if k != "epoch_time_s"} for row in rows]
-
-
-def assert_same_run(run_a: Path, run_b: Path, rel: float = 0.0) -> None:
-    """Same final weights (final_weights.pt) and training-log numbers: bitwise when rel is
-    0, else within ``rel`` relative."""
-    a, b = log_numbers(run_a), log_numbers(run_b)
-    wa = torch.load(run_a / "final_weights.pt", weights_only=True)
-    wb = torch.load(run_b / "final_weights.pt", weights_only=True)
-    assert len(a) == len(b) and list(wa) == list(wb)
-    if rel == 0.0:
-        assert a == b
-        for key in wa:
-            assert torch.equal(wa[key], wb[key]), key
-        return
-    for row_a, row_b in zip(a, b, strict=True):
-        assert row_a == pytest.approx(row_b, rel=rel)
-    for key in wa:
-        torch.testing.assert_close(wa[key], wb[key], rtol=rel, atol=rel)
-
-
-# The tiny experiment's run that the cluster tests (test_slurm, test_pbs) compare with.
-TINY_RUN = ["tiny", "--epochs", "3", "--batch-size", "8", "--save-weights"]
-TINY_RUN += ["--progress", "log", "--log-every", "1"]
-TINY_RUN += ["--dropout", "0.2", "--augment"]  # resumes under srun and torchrun draw both
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,7 @@ on a shared 2-core machine are not asserted; benchmarks/RESULTS.md holds a full 
 import subprocess
 import sys
 
-from conftest import REQUIRE_ALL, ROOT
+from helpers import REQUIRE_ALL, ROOT
 
 
 def test_quick_mode_writes_results_and_plot(tmp_path):

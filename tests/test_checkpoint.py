@@ -10,8 +10,8 @@ import time
 
 import pytest
 import torch
+from helpers import AT_ONCE, REQUIRE_ALL, ROOT, assert_same_run, run_cli
 
-from conftest import AT_ONCE, REQUIRE_ALL, ROOT, assert_same_run, run_cli
 from dmltrain import TrainConfig, UserError
 from dmltrain.checkpoint import CheckpointDir, list_checkpoints, load_file, load_latest_valid
 from tiny import TinyOptions, TinyTrainer, WrapperNames

@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import cli_env, run_cli
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from conftest import cli_env, run_cli
 from dmltrain import BaseTrainer, register_experiment
 from dmltrain.cli import main, parse
 from dmltrain.training_log import read_training_log

@@ -8,8 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from conftest import ROOT, require
+from helpers import ROOT, require
 
 SCRIPT = str(ROOT / "environment" / "create_env.sh")
 # The sample MNIST shipped with dmltrain, without a download attempt (no network here).

@@ -5,8 +5,7 @@ import subprocess
 
 import pytest
 import torch
-
-from conftest import ROOT, run_cli
+from helpers import ROOT, run_cli
 
 TINY = ["tiny", "--epochs", "1", "--batch-size", "16", "--progress", "off"]
 

@@ -13,8 +13,8 @@ import time
 
 import pytest
 import torch
+from helpers import assert_same_run, cli_env, require, run_cli, start_ranks
 
-from conftest import assert_same_run, cli_env, require, run_cli, start_ranks
 from dmltrain.launch import free_port
 from dmltrain.training_log import read_training_log
 

@@ -6,8 +6,7 @@ import subprocess
 
 import pytest
 import torch
-
-from conftest import cli_env, run_cli
+from helpers import cli_env, run_cli
 
 
 def row(output: str, name: str) -> str:

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 import torch
+from helpers import AT_ONCE, cli_env, log_numbers, require, run_cli, signal_at_line
 
-from conftest import AT_ONCE, cli_env, log_numbers, require, run_cli, signal_at_line
 from dmltrain.checkpoint import load_file
 from dmltrain.launch import free_port
 from dmltrain.training_log import read_training_log

@@ -4,8 +4,8 @@ import shutil
 
 import numpy as np
 import pytest
+from helpers import SAMPLE
 
-from conftest import SAMPLE
 from dmltrain import UserError
 from experiments import mnist_data
 

@@ -10,8 +10,8 @@ import time
 
 import pytest
 import torch
+from helpers import assert_same_run, start_ranks
 
-from conftest import assert_same_run, start_ranks
 from dmltrain.checkpoint import list_checkpoints, load_file
 from dmltrain.errors import EXIT_NONFINITE
 from dmltrain.nan import nonfinite
@@ -113,7 +113,7 @@ def test_rollback_from_the_first_steps_uses_the_start_checkpoint(tmp_path):
 
 
 def test_detect_anomaly_names_the_backward_op_that_made_the_nan(tmp_path):
-    from conftest import run_cli
+    from helpers import run_cli
 
     args = ["tiny", "--epochs", "1", "--progress", "off", "--nan-rank", "0", "--nan-at-step", "1"]
     plain = run_cli(*args, "--run-dir", str(tmp_path / "plain"), cwd=tmp_path)

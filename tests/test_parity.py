@@ -6,8 +6,7 @@ import subprocess
 import sys
 
 import torch
-
-from conftest import TESTS, cli_env
+from helpers import TESTS, cli_env
 
 # glibc's malloc, left alone, moves its mmap threshold as memory is freed and gives each
 # thread (torch's intra-op pool) an arena of its own: identical runs then peaked up to

@@ -12,8 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from conftest import ROOT, TESTS, TINY_RUN, assert_same_run, cli_env, require
+from helpers import ROOT, TESTS, TINY_RUN, assert_same_run, cli_env, require
 
 PBS = ROOT / "slurm" / "pbs"
 TINY = TINY_RUN

@@ -6,9 +6,9 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import SAMPLE, assert_same_run, cli_env, require, run_cli
 from torch.utils.data import DataLoader, DistributedSampler
 
-from conftest import SAMPLE, assert_same_run, cli_env, require, run_cli
 from dmltrain import TrainConfig, UserError
 from dmltrain.checkpoint import load_file
 from dmltrain.precision import Precision, check_available

@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import AT_ONCE, assert_same_run, cli_env, require, run_cli, signal_at_line
 
-from conftest import AT_ONCE, assert_same_run, cli_env, require, run_cli, signal_at_line
 from dmltrain.checkpoint import list_checkpoints, load_file
 from dmltrain.launch import free_port
 from dmltrain.preemption import AgreementSchedule, PreemptionWatcher

@@ -4,7 +4,8 @@ import re
 import subprocess
 import sys
 
-from conftest import ROOT, cli_env
+from helpers import ROOT, cli_env
+
 from dmltrain import TrainConfig
 from dmltrain.training_log import read_training_log
 

@@ -8,7 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from conftest import ROOT, TINY_RUN, assert_same_run, cli_env, run_cli
+from helpers import ROOT, TINY_RUN, assert_same_run, cli_env, run_cli
 
 SLURM = ROOT / "slurm"
 RUN_SH = str(SLURM / "run.sh")

@@ -6,8 +6,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers import cli_env, require, run_cli
 
-from conftest import cli_env, require, run_cli
 from dmltrain.submit import time_limit_seconds
 
 

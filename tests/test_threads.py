@@ -3,8 +3,8 @@
 import json
 
 import pytest
+from helpers import run_cli
 
-from conftest import run_cli
 from dmltrain.launch import cpu_set, physical_cores, run_environment
 from dmltrain.threads import choose
 

@@ -4,7 +4,8 @@ back record by record (tests/wandb_records.py) instead of mocking wandb."""
 import os
 import time
 
-from conftest import AT_ONCE, cli_env, run_cli
+from helpers import AT_ONCE, cli_env, run_cli
+
 from wandb_records import read_run, runs_in
 
 TINY = ["tiny", "--epochs", "2", "--batch-size", "8", "--progress", "off", "--log-every", "3"]
