@@ -125,11 +125,15 @@ class NanChecker:
         return found[:few]
 
     def act(
-        self, event: NanEvent, mode: str, info: Callable[[str], None], newest: Path | None
+        self,
+        event: NanEvent,
+        mode: str,
+        info: Callable[[str], None],
+        newest: Callable[[], Path | None],
     ) -> NanEvent | None:
         """What ``--on-nan`` ``mode`` does with ``event``, the same on every rank: None when
         the step is dropped (skip), the event when the run rolls back; ``raise`` stops
-        (``NonFiniteError`` naming ``newest``, the last good checkpoint)."""
+        (``NonFiniteError`` naming ``newest()``, the last good checkpoint)."""
         if mode == "skip" and event.kind == "parameter":
             mode = "rollback"  # the update is applied already: only a checkpoint undoes it
         if mode == "skip":
@@ -139,7 +143,8 @@ class NanChecker:
             self.record(event, "rolling back to the last checkpoint", info)
             return event
         line = self.record(event, "stopping", None)  # the exit line says it
-        kept = f"; last good checkpoint: {newest}" if newest else "; no checkpoint yet"
+        last = newest()
+        kept = f"; last good checkpoint: {last}" if last else "; no checkpoint yet"
         raise NonFiniteError(line + kept + f" (report: {self.report})")
 
     def record(self, event: NanEvent, action: str, info: Callable[[str], None] | None) -> str:

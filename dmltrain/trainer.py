@@ -319,7 +319,7 @@ class BaseTrainer(TrainerHooks):
 
     def _on_nan(self, event: NanEvent) -> NanEvent | None:
         assert self.nan_checker is not None
-        mode, newest = self.config.on_nan, self.checkpointer.newest()
+        mode, newest = self.config.on_nan, self.checkpointer.newest
         return self.nan_checker.act(event, mode, self.progress.info, newest)
 
     def _roll_back(self, event: NanEvent) -> None:
@@ -429,13 +429,13 @@ class BaseTrainer(TrainerHooks):
                 code = Path(inspect.getfile(type(self)))
             except (TypeError, OSError):  # defined in a notebook or an interactive session
                 code = Path.cwd()
-            strategy = self.strategy
+            strategy, plain = self.strategy, self.config_dict()
             info = diagnostics.collect(self.ranks, self.dist, strategy.name, strategy.backend(),
-                                       code, self.config_dict(), self.environment)  # fmt: skip
+                                       code, plain, self.environment)  # fmt: skip
             self.progress.info(rundir.write_records(self.run_dir, text, info))
             self.tracker = create_tracker(
                 section(self.config, TrackingConfig), self.environment.wandb_mode, self.run_dir,
-                self.state.tracking_run_id, self.name, self.config_dict(), self.progress.info,
+                self.state.tracking_run_id, self.name, plain, self.progress.info,
             )  # fmt: skip
             self.state.tracking_run_id = self.tracker.run_id
             minutes = self.config.stop_before_end_minutes  # rank 0 asks Slurm, once
