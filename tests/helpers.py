@@ -94,6 +94,9 @@ REQUIRE_ALL = os.environ.get("DMLTRAIN_TEST_REQUIRE_ALL") == "1"
 # (by default they agree about every half second: a test run would end first).
 AT_ONCE = ("--preempt-check-seconds", "0")
 
+# 2 ranks under OpenMPI, as root and on fewer cores than ranks (this machine, CI).
+MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2"]
+
 
 def require(tool: str) -> None:
     """Skip (plain pytest) or fail (tests/run.sh) when a command-line tool is missing."""

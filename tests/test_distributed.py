@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from helpers import assert_same_run, cli_env, require, run_cli, start_ranks
+from helpers import MPIRUN, assert_same_run, cli_env, require, run_cli, start_ranks
 
 from dmltrain.launch import free_port
 from dmltrain.training_log import read_training_log
@@ -31,7 +31,6 @@ ARGS = [
     "4",
 ]
 DMLTRAIN = [sys.executable, "-m", "dmltrain"]
-MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2"]
 
 
 def launch(command, run, timeout=300, gpus=False):

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import AT_ONCE, assert_same_run, cli_env, require, run_cli, signal_at_line
+from helpers import AT_ONCE, MPIRUN, assert_same_run, cli_env, require, run_cli, signal_at_line
 
 from dmltrain.checkpoint import list_checkpoints, load_file
 from dmltrain.launch import free_port
@@ -222,7 +222,6 @@ def test_epochs_per_job_chain(uninterrupted, tmp_path):
     assert_same_run(uninterrupted[1], run)
 
 
-MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2"]
 HOROVODRUN = ["horovodrun", "--gloo", "-np", "2", "-H", "localhost:2"]
 
 
