@@ -229,8 +229,9 @@ class Checkpointer:
             )
             self.say(f"dmltrain: weights loaded from {load_weights}")
 
-    def rollback(self) -> Path:
-        """Every rank reloads the newest valid checkpoint of this run (after a NaN)."""
+    def rollback(self, epoch: int, step: int) -> None:
+        """Every rank reloads the newest valid checkpoint of this run and will skip the
+        (1-based) ``epoch``'s ``step``, the one that was not finite (``--on-nan rollback``)."""
         self.wait()
         choice = self.strategy.broadcast_object(self._latest() if self.dist.is_main else None)
         if choice is None:
@@ -239,7 +240,8 @@ class Checkpointer:
             )
         path = Path(choice)
         self._load(load_file(path), path, True, True, True, True)
-        return path
+        self.saved.state.skip_steps.add((epoch, step))
+        self.say(f"dmltrain: rolled back to {path}; epoch {epoch} step {step} will be skipped")
 
     def _latest(self) -> str | None:
         """The newest checkpoint of this run that loads (rank 0 looks; corrupt ones are

@@ -25,7 +25,7 @@ from typing import Any, NoReturn
 import argparse_dataclass
 
 from dmltrain import processes
-from dmltrain.config import CONCERNS, TrainConfig, field_names, load_config_file
+from dmltrain.config import SECTIONS, TrainConfig, field_names, load_config_file
 from dmltrain.errors import UserError, run_reporting_errors
 from dmltrain.trainer import BaseTrainer
 
@@ -168,29 +168,49 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def _flag_view(cls: type) -> type:
-    """``cls`` with ``X | None`` fields as ``Optional[X]``, the form argparse-dataclass reads."""
-    specs = []
-    for f in dataclasses.fields(cls):
-        kind = f.type
-        if isinstance(kind, types.UnionType):
-            inner = next(a for a in typing.get_args(kind) if a is not type(None))
-            kind = typing.Optional[inner]  # noqa: UP045 (the spelling argparse-dataclass reads)
-        default = {} if f.default is dataclasses.MISSING else {"default": f.default}
-        if f.default_factory is not dataclasses.MISSING:
-            default = {"default_factory": f.default_factory}
-        specs.append((f.name, kind, dataclasses.field(metadata=f.metadata, **default)))
-    return dataclasses.make_dataclass(cls.__name__, specs)
+class _Flags(argparse_dataclass.ArgumentParser):
+    """The flags argparse-dataclass makes of a dataclass's fields, under one title in
+    --help; a parent parser (``parents=``) of each experiment's subcommand.
+
+    Three things it cannot express are done as it adds each flag: a ``bool`` becomes a
+    ``--x/--no-x`` pair (it makes only one of them, named for the opposite of the default),
+    ``X | None`` parses as ``X`` (it reads only ``Optional[X]``), and help ends with the
+    default."""
+
+    def __init__(self, cls: type, title: str) -> None:
+        self._field_defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        self._section_title = title
+        self._section_group: Any = None  # the titled group, made at the first flag
+        super().__init__(cls, add_help=False)
+
+    def add_argument(self, *names: str, **kwargs: Any) -> argparse.Action:
+        if self._section_group is None:  # argparse-dataclass calls add_argument on the parser
+            self._section_group = self.add_argument_group(self._section_title)
+        dest = kwargs.get("dest") or names[0].lstrip("-").replace("-", "_")
+        flag = "--" + dest.replace("_", "-")
+        if kwargs.get("action") in ("store_true", "store_false") and names[0].endswith(flag[2:]):
+            names, kwargs["dest"] = (flag,), dest
+            kwargs.update(action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
+        if isinstance(kwargs.get("type"), types.UnionType):
+            kwargs["type"] = next(a for a in typing.get_args(kwargs["type"]) if a is not type(None))
+        default = self._field_defaults.get(dest)
+        if default is not None and default is not dataclasses.MISSING:
+            shown = str(default).lower() if isinstance(default, bool) else default
+            kwargs["help"] = f"{kwargs.get('help') or ''} (default: {shown})".lstrip()
+        return self._section_group.add_argument(*names, **kwargs)
 
 
-def _add_flags(parser: argparse.ArgumentParser, title: str, cls: type) -> None:
-    group = parser.add_argument_group(title)
-    argparse_dataclass._add_dataclass_options(_flag_view(cls), group)
-    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
-    for action in group._group_actions:
-        default = defaults.get(action.dest)
-        if action.nargs != 0 and default is not None:  # flags of bools explain themselves
-            action.help = f"{action.help} (default: {default})"
+def _experiment_flags(experiment: Experiment) -> list[Any]:  # argparse.ArgumentParser
+    """The flags of an experiment's subcommand, as parent parsers: ``--config``, each
+    section's, then the experiment's options."""
+    config = argparse.ArgumentParser(add_help=False)
+    config.add_argument(
+        "--config", metavar="FILE", help="YAML or JSON file of option values; flags override it"
+    )
+    flags = [config] + [_Flags(cls, title) for _, title, cls in SECTIONS]
+    if experiment.config_cls is not None:
+        flags.append(_Flags(experiment.config_cls, f"{experiment.name} options"))
+    return flags
 
 
 def _given(values: dict[str, Any], cls: type) -> dict[str, Any]:
@@ -208,28 +228,15 @@ def build_parser(experiments: dict[str, Experiment]) -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="experiment", metavar="EXPERIMENT", required=True)
     for experiment in sorted(experiments.values(), key=lambda e: e.name):
-        sub = commands.add_parser(
+        commands.add_parser(
             experiment.name,
             help=experiment.help,
             description=experiment.help,
+            parents=_experiment_flags(experiment),
         )
-        sub.add_argument(
-            "--config", metavar="FILE", help="YAML or JSON file of option values; flags override it"
-        )
-        for title, cls in CONCERNS:
-            _add_flags(sub, title, cls)
-        if experiment.config_cls is not None:
-            _add_flags(sub, f"{experiment.name} options", experiment.config_cls)
     for name, (text, add_arguments, _) in TOOLS.items():
         add_arguments(commands.add_parser(name, help=text, description=text))
     return parser
-
-
-def _subparser(parser: argparse.ArgumentParser, name: str) -> argparse.ArgumentParser:
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return action.choices[name]
-    raise KeyError(name)
 
 
 def parse(
@@ -240,11 +247,10 @@ def parse(
     namespace = parser.parse_args(argv)
     experiment = experiments[namespace.experiment]
     classes = [TrainConfig] + ([experiment.config_cls] if experiment.config_cls else [])
-    if namespace.config:
-        _subparser(parser, experiment.name).set_defaults(
-            **load_config_file(namespace.config, classes)
-        )
-        namespace = parser.parse_args(argv)
+    if namespace.config:  # the file's values become the defaults; flags still override them
+        parser = _Parser(prog=f"dmltrain {experiment.name}", parents=_experiment_flags(experiment))
+        parser.set_defaults(**load_config_file(namespace.config, classes))
+        namespace = parser.parse_args(argv[1:])
     values = vars(namespace)
     config = TrainConfig(**_given(values, TrainConfig))
     options = None

@@ -1,9 +1,10 @@
-"""Configuration: one frozen dataclass per concern, composed into ``TrainConfig``.
+"""Configuration: one frozen dataclass per section, and ``TrainConfig`` made of them.
 
 Every field carries its ``help`` text (used for the CLI flag) and is validated in
-``__post_init__``. ``TrainConfig`` inherits the concern dataclasses, so its fields are
-flat: ``TrainConfig(epochs=3, data_dir="data")``, ``--epochs 3``, and ``epochs: 3`` in a
-config file all name the same setting.
+``__post_init__``. Each component receives its own section (``config.checkpoint`` for the
+checkpointer). Names stay flat for people: ``TrainConfig(epochs=3, data_dir="data")``,
+``config.epochs``, ``--epochs 3`` and ``epochs: 3`` in a config file name the same
+setting, because no two sections share a field name.
 
 Config files (YAML or JSON) hold a flat mapping of field names (``batch_size`` or
 ``batch-size``) to values; experiment options live in the same mapping.
@@ -30,13 +31,20 @@ def check(ok: bool, message: str) -> None:
 
 @dataclass(frozen=True)
 class LoopConfig:
-    """The training loop: length, batch, optimiser defaults, seed, logging."""
+    """The training loop: length, batch, the step, optimizer defaults, seed, logging."""
 
     epochs: int = field(default=10, metadata={"help": "number of training epochs"})
     batch_size: int = field(
         default=64,
         metadata={"help": "batch size per process (global batch = batch size x world size)"},
     )
+    grad_accum: int = field(
+        default=1, metadata={"help": "accumulate gradients of N batches per optimizer step"}
+    )
+    grad_clip: float = field(
+        default=0.0, metadata={"help": "clip the gradient norm to this value (0: off)"}
+    )
+    compile: bool = field(default=False, metadata={"help": "compile the model (torch.compile)"})
     lr: float = field(default=1e-3, metadata={"help": "learning rate of the default optimizer"})
     optimizer: Literal["adam", "adamw", "sgd"] = field(
         default="adam",
@@ -62,6 +70,8 @@ class LoopConfig:
     def __post_init__(self) -> None:
         check(self.epochs >= 1, f"--epochs must be at least 1 (got {self.epochs})")
         check(self.batch_size >= 1, f"--batch-size must be at least 1 (got {self.batch_size})")
+        check(self.grad_accum >= 1, f"--grad-accum must be at least 1 (got {self.grad_accum})")
+        check(self.grad_clip >= 0, f"--grad-clip must be >= 0 (got {self.grad_clip})")
         check(self.lr > 0, f"--lr must be positive (got {self.lr})")
         check(self.weight_decay >= 0, f"--weight-decay must be >= 0 (got {self.weight_decay})")
         check(self.log_every >= 1, f"--log-every must be at least 1 (got {self.log_every})")
@@ -125,7 +135,7 @@ class DistConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
-    """When checkpoints are written, what a run resumes from, how it survives preemption."""
+    """When checkpoints are written and what a run resumes or starts from."""
 
     resume: str = field(
         default="auto",
@@ -181,6 +191,18 @@ class CheckpointConfig:
         default=False,
         metadata={"help": "with --load-weights: also continue its epoch and step counters"},
     )
+
+    def __post_init__(self) -> None:
+        check(self.checkpoint_every_steps >= 0, "--checkpoint-every-steps must be >= 0")
+        check(self.checkpoint_every_minutes >= 0, "--checkpoint-every-minutes must be >= 0")
+        check(self.keep_last >= 0, f"--keep-last must be >= 0 (got {self.keep_last})")
+        check(self.resume != "", "--resume must be auto, never or a checkpoint path")
+
+
+@dataclass(frozen=True)
+class PreemptionConfig:
+    """How a run stops to go on in a later job: signals, time limits, epochs per job."""
+
     epochs_per_job: int = field(
         default=0,
         metadata={
@@ -202,7 +224,7 @@ class CheckpointConfig:
     )
     requeue: bool = field(
         default=True,
-        metadata={"help": "do not run 'scontrol requeue' after a preemption checkpoint"},
+        metadata={"help": "under Slurm, run 'scontrol requeue' after a preemption checkpoint"},
     )
     stop_before_end_minutes: float = field(
         default=5.0,
@@ -210,35 +232,26 @@ class CheckpointConfig:
     )
 
     def __post_init__(self) -> None:
-        check(self.checkpoint_every_steps >= 0, "--checkpoint-every-steps must be >= 0")
-        check(self.checkpoint_every_minutes >= 0, "--checkpoint-every-minutes must be >= 0")
-        check(self.keep_last >= 0, f"--keep-last must be >= 0 (got {self.keep_last})")
         check(self.epochs_per_job >= 0, "--epochs-per-job must be >= 0")
-        check(self.resume != "", "--resume must be auto, never or a checkpoint path")
         check(self.preempt_check_seconds >= 0, "--preempt-check-seconds must be >= 0")
-        names = [n.strip() for n in self.preempt_signals.split(",") if n.strip()]
-        for name in names:
+        for name in self.signal_names():
             check(
                 name in signal.Signals.__members__,
                 f"--preempt-signals: {name} is not a signal name (e.g. SIGUSR1)",
             )
 
+    def signal_names(self) -> list[str]:
+        return [n.strip() for n in self.preempt_signals.split(",") if n.strip()]
+
 
 @dataclass(frozen=True)
 class PrecisionConfig:
-    """Numeric precision, gradient handling and NaN checks."""
+    """Numeric precision and the checks for non-finite numbers."""
 
     precision: Literal["fp32", "fp16", "bf16"] = field(
         default="fp32",
         metadata={"help": "fp16 (autocast with a grad scaler), bf16 (autocast) or fp32"},
     )
-    grad_clip: float = field(
-        default=0.0, metadata={"help": "clip the gradient norm to this value (0: off)"}
-    )
-    grad_accum: int = field(
-        default=1, metadata={"help": "accumulate gradients of N batches per optimizer step"}
-    )
-    compile: bool = field(default=False, metadata={"help": "compile the model (torch.compile)"})
     check_nans: bool = field(
         default=False,
         metadata={"help": "check loss, gradients and parameters for NaN/Inf every step"},
@@ -253,10 +266,6 @@ class PrecisionConfig:
     detect_anomaly: bool = field(
         default=False, metadata={"help": "autograd anomaly mode (slow; for debugging)"}
     )
-
-    def __post_init__(self) -> None:
-        check(self.grad_clip >= 0, f"--grad-clip must be >= 0 (got {self.grad_clip})")
-        check(self.grad_accum >= 1, f"--grad-accum must be at least 1 (got {self.grad_accum})")
 
 
 @dataclass(frozen=True)
@@ -284,30 +293,78 @@ class TrackingConfig:
         check(self.wandb_init_timeout > 0, "--wandb-init-timeout must be positive")
 
 
-# The concern dataclasses, in the order their flag groups appear in --help.
-CONCERNS: tuple[tuple[str, type], ...] = (
-    ("training", LoopConfig),
-    ("data", DataConfig),
-    ("precision", PrecisionConfig),
-    ("distributed", DistConfig),
-    ("checkpointing", CheckpointConfig),
-    ("tracking", TrackingConfig),
+# The sections: TrainConfig's attribute, the title of its flags in --help, its dataclass.
+SECTIONS: tuple[tuple[str, str, type], ...] = (
+    ("loop", "training", LoopConfig),
+    ("data", "data", DataConfig),
+    ("numerics", "precision", PrecisionConfig),
+    ("distributed", "distributed", DistConfig),
+    ("checkpoint", "checkpointing", CheckpointConfig),
+    ("preemption", "preemption", PreemptionConfig),
+    ("tracking", "tracking", TrackingConfig),
 )
+# Which section holds each setting (no two sections share a name, and no setting is
+# named like a section: config.NAME reads either).
+_SECTION_OF = {f.name: attr for attr, _, cls in SECTIONS for f in dataclasses.fields(cls)}
+assert len(_SECTION_OF) == sum(len(dataclasses.fields(c)) for _, _, c in SECTIONS)
+assert not {attr for attr, _, _ in SECTIONS} & set(_SECTION_OF)
 
 
-@dataclass(frozen=True)
-class TrainConfig(
-    LoopConfig, DataConfig, PrecisionConfig, DistConfig, CheckpointConfig, TrackingConfig
-):
-    """Everything ``BaseTrainer`` needs: the union of the concern dataclasses."""
+@dataclass(frozen=True, init=False)
+class TrainConfig:
+    """Everything ``BaseTrainer`` needs, one section per concern.
 
-    def __post_init__(self) -> None:
-        for _, concern in CONCERNS:
-            concern.__post_init__(self)  # type: ignore[attr-defined]
+    Built from flat settings, ``TrainConfig(epochs=3, lr=0.1)``, from sections,
+    ``TrainConfig(loop=LoopConfig(epochs=3))``, or both (the flat ones then override the
+    section's). Reading is flat too: ``config.epochs`` is ``config.loop.epochs``.
+    """
+
+    loop: LoopConfig
+    data: DataConfig
+    numerics: PrecisionConfig  # not "precision": that is a setting of it
+    distributed: DistConfig
+    checkpoint: CheckpointConfig
+    preemption: PreemptionConfig
+    tracking: TrackingConfig
+
+    def __init__(self, **settings: Any) -> None:
+        unknown = sorted(set(settings) - set(_SECTION_OF) - {attr for attr, _, _ in SECTIONS})
+        if unknown:
+            raise TypeError(f"TrainConfig got unknown settings: {', '.join(unknown)}")
+        for attr, _, cls in SECTIONS:
+            given = settings.get(attr)
+            flat = {n: v for n, v in settings.items() if _SECTION_OF.get(n) == attr}
+            if given is None:
+                value = cls(**flat)
+            elif type(given) is cls:
+                value = dataclasses.replace(given, **flat)  # type: ignore[type-var]
+            else:
+                raise TypeError(f"TrainConfig({attr}=...) must be a {cls.__name__}")
+            object.__setattr__(self, attr, value)
+
+    def __getattr__(self, name: str) -> Any:
+        """Flat reads: ``config.batch_size`` is ``config.loop.batch_size``."""
+        attr = _SECTION_OF.get(name)
+        if attr is None:
+            raise AttributeError(f"TrainConfig has no setting {name!r}")
+        return getattr(getattr(self, attr), name)
+
+    def replace(self, **settings: Any) -> "TrainConfig":
+        """A copy with some settings changed: ``config.replace(run_dir="r")``."""
+        return dataclasses.replace(self, **settings)
 
 
 def field_names(cls: type) -> list[str]:
+    """The settings of a dataclass; of ``TrainConfig``, every section's (flat)."""
+    if cls is TrainConfig:
+        return list(_SECTION_OF)
     return [f.name for f in dataclasses.fields(cls)]
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    if cls is TrainConfig:
+        return {k: v for _, _, c in SECTIONS for k, v in typing.get_type_hints(c).items()}
+    return typing.get_type_hints(cls)
 
 
 def coerce(value: Any, annotation: Any, key: str, source: str) -> Any:
@@ -351,7 +408,7 @@ def load_config_file(path: str, classes: list[type]) -> dict[str, Any]:
         raise ConfigError(f"config file {path} must hold a mapping of option names to values")
     hints = {}
     for cls in classes:
-        hints.update(typing.get_type_hints(cls))
+        hints.update(_hints(cls))
     values = {}
     for raw_key, value in data.items():
         key = str(raw_key).replace("-", "_")
@@ -362,30 +419,29 @@ def load_config_file(path: str, classes: list[type]) -> dict[str, Any]:
     return values
 
 
-def to_yaml(groups: list[tuple[str, Any]]) -> str:
-    """The resolved config as flat YAML, one commented section per concern; loadable by --config."""
+def to_yaml(config: TrainConfig, options: Any = None, options_title: str = "options") -> str:
+    """The resolved config as flat YAML, one commented part per section (and the
+    experiment's options); ``--config`` loads it back."""
+    groups: list[tuple[str, Any]] = [(title, getattr(config, attr)) for attr, title, _ in SECTIONS]
+    if dataclasses.is_dataclass(options) and not isinstance(options, type):
+        groups.append((options_title, options))
     parts = []
     for title, instance in groups:
-        names = (
-            [f.name for f in dataclasses.fields(instance)]
-            if dataclasses.is_dataclass(instance)
-            else []
-        )
-        section = {name: getattr(instance, name) for name in names}
-        if section:
-            parts.append(f"# {title}\n" + yaml.safe_dump(section, sort_keys=False))
+        values = dataclasses.asdict(instance)
+        if values:
+            parts.append(f"# {title}\n" + yaml.safe_dump(values, sort_keys=False))
     return "\n".join(parts)
 
 
-def section(instance: Any, cls: type) -> Any:
-    """The part of ``instance`` (a TrainConfig) that belongs to concern ``cls``, as ``cls``."""
-    return cls(**{name: getattr(instance, name) for name in field_names(cls)})
-
-
-def as_plain(config: Any, options: Any) -> dict[str, Any]:
-    """The resolved config as plain values: training settings and experiment options (what
-    checkpoints, diagnostics and the tracker record)."""
+def as_plain(config: TrainConfig, options: Any) -> dict[str, Any]:
+    """The resolved config as plain values: training settings (flat) and experiment options
+    (what checkpoints, diagnostics and the tracker record)."""
     plain = {}
     if dataclasses.is_dataclass(options) and not isinstance(options, type):
         plain = dataclasses.asdict(options)
-    return {"train": dataclasses.asdict(config), "options": plain}
+    train = {
+        k: v
+        for attr, _, _ in SECTIONS
+        for k, v in dataclasses.asdict(getattr(config, attr)).items()
+    }
+    return {"train": train, "options": plain}

@@ -10,6 +10,7 @@ SECRET or CREDENTIAL in them redacted by ``dmltrain.launch``).
 """
 
 import importlib.metadata
+import inspect
 import json
 import platform
 import shutil
@@ -108,10 +109,16 @@ def collect(
     dist: DistInfo,
     strategy: str,
     backend: str,
-    code: Path,
+    trainer_cls: type,
     config: dict[str, Any],
     environment: RunEnvironment,
 ) -> dict[str, Any]:
+    """Everything ``diagnostics.json`` holds; the code's git state is that of the file
+    defining ``trainer_cls`` (of the working directory for a notebook's class)."""
+    try:
+        code = Path(inspect.getfile(trainer_cls))
+    except (TypeError, OSError):  # defined in a notebook or an interactive session
+        code = Path.cwd()
     return {
         "world_size": dist.world_size,
         "launcher": dist.launcher,

@@ -18,7 +18,7 @@ from dmltrain.errors import (
     StopForRequeue,
     run_reporting_errors,
 )
-from dmltrain.launch import DistInfo
+from dmltrain.launch import DistInfo, spawned
 from dmltrain.preemption import PreemptionWatcher
 
 
@@ -54,6 +54,19 @@ def spawn(nprocs: int, fn: Callable[..., None], args: tuple, forward: list[str])
         raise RankFailed(f"rank {exc.error_index} failed first: {exc}", 1) from None
     finally:
         watcher.restore()
+
+
+def spawn_fits(trainer_cls: type, name: str, config: Any, options: Any, parent: DistInfo) -> None:
+    """``--nprocs N``: ``trainer_cls(config, options).fit()`` in N workers (``spawn``)."""
+    signals = config.preemption.signal_names()
+    spawn(parent.world_size, _fit, (trainer_cls, name, config, options, parent), signals)
+
+
+def _fit(local_rank: int, trainer_cls: type, name: str, config: Any, options: Any,
+         parent: DistInfo) -> None:  # fmt: skip
+    trainer = trainer_cls(config, options, dist=spawned(parent, local_rank))
+    trainer.name = name
+    exit_on_error(trainer.fit, trainer.dist.rank, trainer.dist.world_size)
 
 
 def _pass_on(process: Any, signum: int) -> bool:

@@ -22,11 +22,13 @@ class MnistOptions:
         metadata={"help": "comma-separated base URLs to download full MNIST from"},
     )
     download: bool = field(
-        default=True, metadata={"help": "do not try to download MNIST when it is missing"}
+        default=True, metadata={"help": "download MNIST when it is missing from --data-dir"}
     )
     sample_fallback: bool = field(
         default=True,
-        metadata={"help": "fail instead of training on the bundled 5,000-digit sample"},
+        metadata={
+            "help": "train on the bundled 5,000-digit sample when full MNIST is missing (else fail)"
+        },
     )
     download_timeout: float = field(
         default=30.0, metadata={"help": "seconds to wait for a mirror before trying the next"}

@@ -108,6 +108,33 @@ def test_config_file_then_flags(tmp_path):
     assert (options.samples, options.features) == (20, 3)
 
 
+def test_boolean_flags_come_in_pairs_and_override_the_config_file(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("check_nans: true\nrequeue: false\nsave_weights: true\n")
+    _, config, options = parse(["tiny", "--config", str(path)], {"tiny": TINY})
+    assert (config.check_nans, config.requeue, options.save_weights) == (True, False, True)
+    flags = ["--no-check-nans", "--requeue", "--no-save-weights"]
+    _, config, options = parse(["tiny", "--config", str(path), *flags], {"tiny": TINY})
+    assert (config.check_nans, config.requeue, options.save_weights) == (False, True, False)
+    assert config.numerics.check_nans is False and config.preemption.requeue is True
+    _, config, _ = parse(["tiny", "--no-requeue", "--compile"], {"tiny": TINY})
+    assert (config.requeue, config.loop.compile) == (False, True)
+
+
+def test_help_groups_flags_by_section_and_says_what_each_flag_does():
+    sub = subprocess.run(
+        [sys.executable, "-m", "dmltrain", "mnist", "--help"],
+        capture_output=True, text=True, env=cli_env(), check=True,
+    ).stdout  # fmt: skip
+    for title in ("training:", "data:", "precision:", "distributed:", "checkpointing:",
+                  "preemption:", "tracking:", "mnist options:"):  # fmt: skip
+        assert f"\n{title}\n" in sub
+    flat = " ".join(sub.split())
+    assert "--requeue, --no-requeue under Slurm, run 'scontrol requeue'" in flat
+    assert "--epochs EPOCHS number of training epochs (default: 10)" in flat
+    assert "--download, --no-download download MNIST when it is missing" in flat
+
+
 def test_resolved_config_is_written_and_printed(tmp_path):
     path = tmp_path / "c.json"
     path.write_text('{"epochs": 1, "batch-size": 8}')

@@ -1,8 +1,16 @@
+import dataclasses
 import json
 
 import pytest
 
-from dmltrain.config import CONCERNS, TrainConfig, load_config_file, section, to_yaml
+from dmltrain.config import (
+    SECTIONS,
+    CheckpointConfig,
+    LoopConfig,
+    TrainConfig,
+    load_config_file,
+    to_yaml,
+)
 from dmltrain.errors import ConfigError
 from tiny import TinyOptions
 
@@ -24,13 +32,33 @@ def test_validation_names_the_flag(kwargs, message):
         TrainConfig(**kwargs)
 
 
-def test_train_config_is_flat_union_of_concerns():
+def test_train_config_is_made_of_sections_and_reads_flat():
     config = TrainConfig(epochs=3, data_dir="/d")
-    assert config.epochs == 3 and config.data_dir == "/d"
-    names = {title: cls for title, cls in CONCERNS}
-    assert section(config, names["data"]).data_dir == "/d"
+    assert config.loop.epochs == 3 and config.data.data_dir == "/d"
+    assert config.epochs == 3 and config.data_dir == "/d"  # flat reads, as users write them
     with pytest.raises(AttributeError):
         config.epochs = 4  # type: ignore[misc]
+    with pytest.raises(AttributeError, match="no setting 'epochz'"):
+        config.epochz  # noqa: B018
+    names = [f.name for _, _, cls in SECTIONS for f in dataclasses.fields(cls)]
+    assert len(names) == len(set(names)), "two sections share a setting name"
+    assert not set(names) & {attr for attr, _, _ in SECTIONS}, "a setting named like a section"
+    assert config.precision == "fp32" and config.numerics.precision == "fp32"
+
+
+def test_train_config_from_sections_flat_settings_override_them():
+    config = TrainConfig(
+        loop=LoopConfig(epochs=5, lr=0.5), checkpoint=CheckpointConfig(keep_last=1)
+    )
+    assert (config.epochs, config.lr, config.keep_last) == (5, 0.5, 1)
+    assert TrainConfig(loop=LoopConfig(epochs=5), epochs=7).epochs == 7
+    changed = config.replace(run_dir="r", keep_last=2)
+    assert (changed.run_dir, changed.keep_last, changed.epochs) == ("r", 2, 5)
+    assert dataclasses.replace(config, epochs=9).loop == LoopConfig(epochs=9, lr=0.5)
+    with pytest.raises(TypeError, match="unknown settings: epochz"):
+        TrainConfig(epochz=1)
+    with pytest.raises(TypeError, match="must be a LoopConfig"):
+        TrainConfig(loop=CheckpointConfig())
 
 
 def test_yaml_file_accepts_dashes_and_experiment_keys(tmp_path):
@@ -76,5 +104,5 @@ def test_missing_file(tmp_path):
 def test_resolved_yaml_loads_back_to_the_same_config(tmp_path):
     config = TrainConfig(epochs=7, lr=0.5, run_dir="r", num_workers=1)
     path = tmp_path / "config.yaml"
-    path.write_text(to_yaml([(t, section(config, c)) for t, c in CONCERNS]))
+    path.write_text(to_yaml(config))
     assert TrainConfig(**load_config_file(str(path), [TrainConfig])) == config
