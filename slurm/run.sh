@@ -25,6 +25,7 @@
 
 set -uo pipefail
 
+# >>> dmltrain block: activate.sh (edit slurm/blocks/activate.sh, then run sync.py)
 # The environment to train in: DMLTRAIN_ENV is a venv directory or a conda env name.
 if [ -n "${DMLTRAIN_ENV:-}" ]; then
     if [ -f "$DMLTRAIN_ENV/bin/activate" ]; then
@@ -34,11 +35,14 @@ if [ -n "${DMLTRAIN_ENV:-}" ]; then
         eval "$(conda shell.bash hook)" && conda activate "$DMLTRAIN_ENV" || exit 1
     fi
 fi
+# <<< dmltrain block: activate.sh
 
+# >>> dmltrain block: slurm-job.sh (edit slurm/blocks/slurm-job.sh, then run sync.py)
 job=${SLURM_JOB_ID:?run this script with sbatch}
 if [ -n "${SLURM_ARRAY_JOB_ID:-}" ]; then
     job="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"  # requeue this task, not the array
 fi
+# <<< dmltrain block: slurm-job.sh
 echo "dmltrain: job $job, restart ${SLURM_RESTART_COUNT:-0}, nodes ${SLURM_JOB_NODELIST:-?}"
 
 # The default run directory (runs/<experiment>-<job id>) is the same after a requeue,
@@ -50,16 +54,23 @@ echo "dmltrain: job $job, restart ${SLURM_RESTART_COUNT:-0}, nodes ${SLURM_JOB_N
 srun dmltrain "$@" --no-requeue
 status=$?
 
+# >>> dmltrain block: slurm-requeue.sh (edit slurm/blocks/slurm-requeue.sh, then run sync.py)
 # Exit status 3: a checkpoint was saved and there is more to do (a preemption, the time
-# limit coming, or --epochs-per-job). In a chain of jobs (slurm/chain.sh) the next job
-# goes on instead of a requeue.
+# limit coming, or --epochs-per-job): requeue the job. In a chain of jobs (slurm/chain.sh
+# sets DMLTRAIN_REQUEUE=0) the next job of the chain goes on instead.
 if [ "$status" -eq 3 ] && [ "${DMLTRAIN_REQUEUE:-1}" = 0 ]; then
     echo "dmltrain: checkpoint saved; the next job of the chain goes on"
     exit 0
 fi
 if [ "$status" -eq 3 ]; then
     echo "dmltrain: checkpoint saved, requeueing job $job"
-    scontrol requeue "$job" || echo "dmltrain: requeue failed; resubmit with: sbatch $0 $*"
+    if ! scontrol requeue "$job"; then
+        # Under sbatch, $0 is slurmd's copy of the script: name the file that was submitted
+        # (Slurm's Command= is that file, then its arguments).
+        submitted=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/^ *Command=\([^ ]*\).*/\1/p')
+        echo "dmltrain: requeue failed; resubmit with: sbatch ${DMLTRAIN_SCRIPT:-${submitted:-$0}} $*"
+    fi
     exit 0
 fi
 exit "$status"
+# <<< dmltrain block: slurm-requeue.sh

@@ -26,6 +26,8 @@
 
 set -uo pipefail
 
+# >>> dmltrain block: activate.sh (edit slurm/blocks/activate.sh, then run sync.py)
+# The environment to train in: DMLTRAIN_ENV is a venv directory or a conda env name.
 if [ -n "${DMLTRAIN_ENV:-}" ]; then
     if [ -f "$DMLTRAIN_ENV/bin/activate" ]; then
         # shellcheck disable=SC1091
@@ -34,11 +36,14 @@ if [ -n "${DMLTRAIN_ENV:-}" ]; then
         eval "$(conda shell.bash hook)" && conda activate "$DMLTRAIN_ENV" || exit 1
     fi
 fi
+# <<< dmltrain block: activate.sh
 
+# >>> dmltrain block: slurm-job.sh (edit slurm/blocks/slurm-job.sh, then run sync.py)
 job=${SLURM_JOB_ID:?run this script with sbatch}
 if [ -n "${SLURM_ARRAY_JOB_ID:-}" ]; then
     job="${SLURM_ARRAY_JOB_ID}_${SLURM_ARRAY_TASK_ID}"  # requeue this task, not the array
 fi
+# <<< dmltrain block: slurm-job.sh
 # Training processes per node: the GPUs Slurm gave each node, else DMLTRAIN_NPROC_PER_NODE.
 nproc=${DMLTRAIN_NPROC_PER_NODE:-${SLURM_GPUS_ON_NODE:-1}}
 head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
@@ -54,14 +59,30 @@ srun --ntasks-per-node=1 torchrun \
     --rdzv-backend=c10d --rdzv-endpoint="$head_node:$port" --rdzv-id="$job" \
     -m dmltrain "$@" --no-requeue --status-file "$status_file"
 status=$?
+# >>> dmltrain block: status-file.sh (edit slurm/blocks/status-file.sh, then run sync.py)
+# torchrun reports any worker's failure as exit status 1: rank 0 wrote the real status.
 if [ -s "$status_file" ]; then
     status=$(cat "$status_file")
     rm -f "$status_file"
 fi
-
+# <<< dmltrain block: status-file.sh
+# >>> dmltrain block: slurm-requeue.sh (edit slurm/blocks/slurm-requeue.sh, then run sync.py)
+# Exit status 3: a checkpoint was saved and there is more to do (a preemption, the time
+# limit coming, or --epochs-per-job): requeue the job. In a chain of jobs (slurm/chain.sh
+# sets DMLTRAIN_REQUEUE=0) the next job of the chain goes on instead.
+if [ "$status" -eq 3 ] && [ "${DMLTRAIN_REQUEUE:-1}" = 0 ]; then
+    echo "dmltrain: checkpoint saved; the next job of the chain goes on"
+    exit 0
+fi
 if [ "$status" -eq 3 ]; then
     echo "dmltrain: checkpoint saved, requeueing job $job"
-    scontrol requeue "$job" || echo "dmltrain: requeue failed; resubmit with: sbatch $0 $*"
+    if ! scontrol requeue "$job"; then
+        # Under sbatch, $0 is slurmd's copy of the script: name the file that was submitted
+        # (Slurm's Command= is that file, then its arguments).
+        submitted=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null | sed -n 's/^ *Command=\([^ ]*\).*/\1/p')
+        echo "dmltrain: requeue failed; resubmit with: sbatch ${DMLTRAIN_SCRIPT:-${submitted:-$0}} $*"
+    fi
     exit 0
 fi
 exit "$status"
+# <<< dmltrain block: slurm-requeue.sh

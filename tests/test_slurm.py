@@ -4,7 +4,9 @@ and slurm/chain.sh; `dmltrain submit slurm`. Each final log and weights equal an
 uninterrupted run."""
 
 import re
+import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -93,6 +95,48 @@ def test_batch_and_environment_scripts_pass_shellcheck():
     ]
     assert len(scripts) >= 10
     subprocess.run(["shellcheck", *map(str, scripts)], check=True)
+
+
+def test_batch_scripts_hold_the_shared_blocks_and_drift_is_caught(tmp_path):
+    """Environment activation, job id, status file, requeue and resubmit are written once
+    (slurm/blocks/) and pasted between markers; sync.py --check fails on a changed copy."""
+    check = [sys.executable, str(SLURM / "blocks" / "sync.py"), "--check"]
+    done = subprocess.run(check, capture_output=True, text=True)
+    assert done.returncode == 0, done.stdout + done.stderr
+    uses = {
+        name: {p.name for p in [*SLURM.glob("*.sh"), *SLURM.glob("pbs/*.sh")]
+               if f"dmltrain block: {name} " in p.read_text()}
+        for name in (b.name for b in (SLURM / "blocks").glob("*.sh"))
+    }  # fmt: skip
+    assert uses["activate.sh"] == {"run.sh", "torchrun.sh", "horovod.sh", "casper.sh",
+                                   "derecho.sh"}  # fmt: skip
+    assert (
+        uses["slurm-job.sh"] == uses["slurm-requeue.sh"] == {"run.sh", "torchrun.sh", "horovod.sh"}
+    )  # every Slurm script honours DMLTRAIN_REQUEUE=0 (slurm/chain.sh)
+    assert uses["status-file.sh"] == {"torchrun.sh", "casper.sh"}
+    assert uses["pbs-args.sh"] == uses["pbs-resubmit.sh"] == {"casper.sh", "derecho.sh"}
+    # A copy of the tree where one script's copy of a block was edited by hand.
+    copy = tmp_path / "slurm"
+    shutil.copytree(SLURM, copy)
+    script = copy / "torchrun.sh"
+    script.write_text(script.read_text().replace('"${DMLTRAIN_REQUEUE:-1}" = 0', "false"))
+    check[1] = str(copy / "blocks" / "sync.py")
+    done = subprocess.run(check, capture_output=True, text=True)
+    assert done.returncode == 1 and "slurm/torchrun.sh differs" in done.stdout
+    subprocess.run(check[:2], check=True, capture_output=True)  # copies the blocks in
+    assert script.read_text() == (SLURM / "torchrun.sh").read_text()
+    assert subprocess.run(check, capture_output=True).returncode == 0
+
+
+def test_a_failed_requeue_names_the_submitted_script_not_slurmds_copy(slurm, tmp_path):
+    """A job submitted with --no-requeue cannot be requeued: the hint to resubmit names the
+    file the user submitted (sbatch runs a copy in slurmd's spool directory)."""
+    job = sbatch(tmp_path, *TINY, "--epochs-per-job", "1", options=("--no-requeue",))
+    wait_for(lambda: job_field(job, "JobState") == "COMPLETED", 180, f"job {job}")
+    log = (tmp_path / "job.out").read_text()
+    hint = [line for line in log.splitlines() if "requeue failed" in line]
+    assert hint == [f"dmltrain: requeue failed; resubmit with: sbatch {RUN_SH} {' '.join(TINY)} "
+                    "--epochs-per-job 1"], log[-2000:]  # fmt: skip
 
 
 def test_torchrun_script_requeues_through_torchrun_and_completes(slurm, tiny_reference, tmp_path):

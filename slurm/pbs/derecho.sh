@@ -25,13 +25,21 @@
 #PBS -r n
 
 set -uo pipefail
+# The file to submit again (qsub runs a copy of it).
+script=${DMLTRAIN_SCRIPT:-${PBS_O_WORKDIR:-$PWD}/slurm/pbs/derecho.sh}
+# >>> dmltrain block: pbs-args.sh (edit slurm/blocks/pbs-args.sh, then run sync.py)
 cd "${PBS_O_WORKDIR:-.}" || exit 1
+# qsub passes no arguments to a script: the experiment and its flags come in DMLTRAIN_ARGS
+# (split on spaces) unless given as arguments.
 if [ $# -eq 0 ]; then
     read -r -a args <<< "${DMLTRAIN_ARGS:-}"
     set -- "${args[@]}"
 fi
-[ $# -gt 0 ] || { echo "derecho.sh: no experiment: qsub -v DMLTRAIN_ARGS=\"mnist --epochs 10\" $0" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "dmltrain: no experiment: qsub -v DMLTRAIN_ARGS=\"mnist --epochs 10\" $script" >&2; exit 2; }
+# <<< dmltrain block: pbs-args.sh
 
+# >>> dmltrain block: activate.sh (edit slurm/blocks/activate.sh, then run sync.py)
+# The environment to train in: DMLTRAIN_ENV is a venv directory or a conda env name.
 if [ -n "${DMLTRAIN_ENV:-}" ]; then
     if [ -f "$DMLTRAIN_ENV/bin/activate" ]; then
         # shellcheck disable=SC1091
@@ -40,6 +48,7 @@ if [ -n "${DMLTRAIN_ENV:-}" ]; then
         eval "$(conda shell.bash hook)" && conda activate "$DMLTRAIN_ENV" || exit 1
     fi
 fi
+# <<< dmltrain block: activate.sh
 
 job=${PBS_JOBID:?run this script inside a PBS job (qsub)}
 nodefile=${PBS_NODEFILE:?PBS_NODEFILE is not set}
@@ -75,9 +84,10 @@ run_dir=${DMLTRAIN_RUN_DIR:-runs/$experiment-${job%%.*}}
 mpiexec -n "$ranks" "${per_node[@]}" dmltrain "$experiment" --run-dir "$run_dir" "$@"
 status=$?
 
-# Exit status 3: a checkpoint was saved and there is more to do: submit the job again.
+# >>> dmltrain block: pbs-resubmit.sh (edit slurm/blocks/pbs-resubmit.sh, then run sync.py)
+# Exit status 3: a checkpoint was saved and there is more to do: submit the job again
+# (DMLTRAIN_RESUBMIT=0: only print how).
 if [ "$status" -eq 3 ]; then
-    script=${DMLTRAIN_SCRIPT:-$PBS_O_WORKDIR/slurm/pbs/derecho.sh}
     if [ "${DMLTRAIN_RESUBMIT:-1}" = 1 ] && command -v qsub >/dev/null; then
         echo "dmltrain: checkpoint saved; resubmitting $script"
         qsub -v "DMLTRAIN_RUN_DIR=$run_dir,DMLTRAIN_ENV=${DMLTRAIN_ENV:-},DMLTRAIN_ARGS=$experiment $*" "$script"
@@ -87,3 +97,4 @@ if [ "$status" -eq 3 ]; then
     exit 0
 fi
 exit "$status"
+# <<< dmltrain block: pbs-resubmit.sh
