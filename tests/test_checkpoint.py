@@ -10,13 +10,11 @@ import time
 
 import pytest
 import torch
-from helpers import AT_ONCE, REQUIRE_ALL, ROOT, assert_same_run, run_cli
+from helpers import AT_ONCE, REQUIRE_ALL, ROOT, TINY, assert_same_run, run_cli
 
 from dmltrain import TrainConfig, UserError
 from dmltrain.checkpoint import CheckpointDir, list_checkpoints, load_file, load_latest_valid
 from tiny import TinyOptions, TinyTrainer, WrapperNames
-
-TINY = ["tiny", "--epochs", "3", "--batch-size", "8", "--save-weights", "--progress", "off"]
 
 
 def fit(run, **config):

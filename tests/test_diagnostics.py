@@ -3,11 +3,12 @@
 import json
 import subprocess
 
+import helpers
 import pytest
 import torch
 from helpers import ROOT, run_cli
 
-TINY = ["tiny", "--epochs", "1", "--batch-size", "16", "--progress", "off"]
+TINY = [*helpers.TINY, "--epochs", "1", "--batch-size", "16"]
 
 
 def git(*args):

@@ -13,23 +13,12 @@ import time
 
 import pytest
 import torch
-from helpers import MPIRUN, assert_same_run, cli_env, require, run_cli, start_ranks
+from helpers import MPIRUN, TINY, assert_same_run, cli_env, require, run_cli, start_ranks
 
 from dmltrain.launch import free_port
 from dmltrain.training_log import read_training_log
 
-ARGS = [
-    "tiny",
-    "--epochs",
-    "3",
-    "--batch-size",
-    "8",
-    "--save-weights",
-    "--progress",
-    "log",
-    "--log-every",
-    "4",
-]
+ARGS = [*TINY, "--progress", "log", "--log-every", "4"]
 DMLTRAIN = [sys.executable, "-m", "dmltrain"]
 
 

@@ -10,13 +10,13 @@ import time
 
 import pytest
 import torch
-from helpers import assert_same_run, start_ranks
+from helpers import TINY, assert_same_run, start_ranks
 
 from dmltrain.checkpoint import list_checkpoints, load_file
 from dmltrain.errors import EXIT_NONFINITE
 from dmltrain.nan import nonfinite
 
-ARGS = ["tiny", "--epochs", "2", "--batch-size", "8", "--save-weights", "--progress", "off"]
+ARGS = [*TINY, "--epochs", "2"]
 ARGS += ["--check-nans", "--checkpoint-every-steps", "2", "--keep-last", "0"]
 
 

@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import helpers
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,7 +16,7 @@ from dmltrain.precision import Precision, check_available
 from dmltrain.training_log import read_training_log
 from tiny import TinyOptions, TinyTrainer
 
-TINY = ["tiny", "--epochs", "3", "--save-weights", "--progress", "off"]
+TINY = [*helpers.TINY, "--batch-size", "64"]
 
 
 def run_tiny(run, *args, ok=True):

@@ -9,15 +9,24 @@ import sys
 import time
 from pathlib import Path
 
+import helpers
 import pytest
-from helpers import AT_ONCE, MPIRUN, assert_same_run, cli_env, require, run_cli, signal_at_line
+from helpers import (
+    AT_ONCE,
+    MPIRUN,
+    RANDOM,
+    assert_same_run,
+    cli_env,
+    require,
+    run_cli,
+    signal_at_line,
+)
 
 from dmltrain.checkpoint import list_checkpoints, load_file
 from dmltrain.launch import free_port
 from dmltrain.preemption import AgreementSchedule, PreemptionWatcher
 
-TINY = ["tiny", "--epochs", "3", "--batch-size", "8", "--save-weights", "--progress", "off"]
-TINY += ["--dropout", "0.2", "--augment"]  # random numbers in the step and in the data
+TINY = [*helpers.TINY, *RANDOM]
 
 
 def test_handler_only_sets_a_flag():
