@@ -292,12 +292,10 @@ def main(argv: Sequence[str] | None = None, experiments: Sequence[Experiment] = 
 def entry() -> int:
     """The ``dmltrain`` command and ``python -m dmltrain``: ``main`` in a process of its own.
 
-    What is imported by now (torch alone: some 170,000 objects the collector tracks) lives
-    as long as the process, yet every full collection walks all of it: 0.12 s on a 2-core
-    machine, paid by ``--help`` in the entry-point scan and again at exit. ``gc.freeze``
-    leaves it out of every later pass (as vLLM does after loading a model); objects made
-    from here on are collected as usual. Only here, in a process that is the command's
-    alone: a script or notebook calling ``main`` keeps its collector untouched.
+    What is imported by now (torch above all) lives as long as the process, yet every full
+    collection would walk all of it; ``gc.freeze`` leaves it out of later passes (as vLLM
+    does after loading a model). Only here, in a process that is the command's alone: a
+    script or notebook calling ``main`` keeps its collector untouched.
     """
     gc.freeze()
     return main()

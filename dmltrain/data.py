@@ -10,8 +10,8 @@ streams the model uses, and never from a stream whose position a resume would lo
   after any resume; in the training process the generators are put back afterwards, so
   the model's stream does not move.
   A dataset known to draw nothing (``TensorDataset``, and ``Subset``/``ConcatDataset``
-  of those) is fetched without seeds: seeding costs about 7 us a sample
-  (``benchmarks/data_pipeline.py``).
+  of those) is fetched without seeds: seeding has a cost per sample
+  (``benchmarks/data_pipeline.py`` measures it).
 - ``iterate`` creates a loader's iterator without moving the global torch generator
   (a DataLoader without a generator of its own draws its workers' base seed from it).
 

@@ -76,7 +76,7 @@ class MetricAccumulator:
                 "must be single numbers (reduce it, e.g. with .mean())"
             )
         try:  # the usual case, one stack: the same shape on one device (a call per
-            # tensor, as below, costs 3 us each: a few us a step)
+            # tensor, as below, costs microseconds each)
             stacked = torch.stack(tensors)
         except RuntimeError:
             # on the first tensor's device: a CPU metric of a GPU run adds to the total

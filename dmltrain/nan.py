@@ -36,7 +36,7 @@ def nonfinite(tensors: Iterable[Tensor], device: torch.device) -> Tensor:
         return torch.zeros((), dtype=torch.bool, device=device)
     if local[0].device.type == "cpu":
         # The CPU runs _foreach_norm tensor by tensor; a plain sum reads the same memory
-        # at 2.5x the speed, and NaN or Inf anywhere makes it non-finite as well.
+        # faster, and NaN or Inf anywhere makes it non-finite as well.
         reduced: Sequence[Tensor] = [t.sum(dtype=torch.float32) for t in local]
     else:
         reduced = torch._foreach_norm(local, 2, dtype=torch.float32)  # one fused kernel

@@ -61,7 +61,7 @@ class AgreementSchedule:
     checkpoint).
 
     The agreement is a collective: at every step it would add a round trip between the
-    ranks and make each wait for the slowest (2 CPU processes: 1 ms of a 2.4 ms step,
+    ranks and make each wait for the slowest (a large part of a small step:
     benchmarks/findings.md). So the ranks agree about every ``seconds`` of training: at an
     agreement each rank proposes how many steps that is by its own clock, and the smallest
     proposal, agreed in the same collective, is the count to the next one. Every rank
