@@ -4,10 +4,12 @@ environment), starting ranks by hand, tools the suite needs, and comparing two r
 Fixtures are in conftest.py; tests import everything else from here."""
 
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -131,7 +133,6 @@ def assert_same_run(run_a: Path, run_b: Path, rel: float = 0.0) -> None:
         torch.testing.assert_close(wa[key], wb[key], rtol=rel, atol=rel)
 
 
-# The tiny experiment's run that the cluster tests (test_slurm, test_pbs) compare with.
 # The tiny experiment's runs (tests/tiny.py), in one place: 3 epochs of 12 steps that save
 # their final weights. A test adds what it needs; a flag given again later wins.
 TINY = ["tiny", "--epochs", "3", "--batch-size", "8", "--save-weights", "--progress", "off"]
@@ -139,3 +140,78 @@ RANDOM = ["--dropout", "0.2", "--augment"]  # random numbers in the step and in 
 LOGGED = ["--progress", "log", "--log-every", "1"]  # a line per step, to wait for
 # What the Slurm and PBS jobs run, and what tiny_reference runs uninterrupted.
 TINY_RUN = [*TINY, *LOGGED, *RANDOM]
+
+
+# ----- Slurm jobs (test_slurm, test_two_nodes) -------------------------------------------
+def sbatch(
+    cwd: Path,
+    *args: str,
+    options: tuple[str, ...] = (),
+    script: str = str(ROOT / "slurm" / "run.sh"),
+    env: dict[str, str] | None = None,
+) -> str:
+    """Submit ``script`` with 2 tasks of 1 CPU (``options`` come later and win); ``env``
+    adds to the job's environment (``SLURM_CONF`` aims it at another cluster)."""
+    done = subprocess.run(
+        [
+            "sbatch",
+            "--parsable",
+            "--ntasks-per-node",
+            "2",
+            "--cpus-per-task",
+            "1",
+            "--time",
+            "10",
+            "--output",
+            str(cwd / "job.out"),
+            *options,
+            script,
+            *args,
+        ],
+        cwd=cwd,
+        env=cli_env(**(env or {})),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip().split(";")[0]
+
+
+def job_field(job: str, name: str, env: dict[str, str] | None = None) -> str:
+    out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True,
+                         env={**os.environ, **(env or {})}).stdout  # fmt: skip
+    match = re.search(rf"\b{name}=(\S+)", out)
+    return match.group(1) if match else ""
+
+
+def wait_for(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def release_requeues_until_done(
+    job: str, cwd: Path, timeout: float = 300, env: dict[str, str] | None = None
+) -> None:
+    """A requeued job waits (BeginTime) before it restarts; start it at once, as an admin
+    would, until the job completes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        state = job_field(job, "JobState", env)
+        if state == "COMPLETED":
+            return
+        if state in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
+            break
+        if state == "PENDING" and job_field(job, "Reason", env) == "BeginTime":
+            # Released at once, Slurm may restart the job before its last run has finished
+            # completing and kill it ("Job credential revoked"); an admin waits a moment.
+            time.sleep(5)
+            subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"],
+                           env={**os.environ, **(env or {})})  # fmt: skip
+        time.sleep(1)
+    log = (cwd / "job.out").read_text() if (cwd / "job.out").exists() else ""
+    raise AssertionError(f"job {job} ended {job_field(job, 'JobState', env)}:\n{log[-3000:]}")

@@ -7,83 +7,23 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from helpers import ROOT, TINY_RUN, assert_same_run, cli_env, run_cli
+from helpers import (
+    ROOT,
+    TINY_RUN,
+    assert_same_run,
+    cli_env,
+    job_field,
+    release_requeues_until_done,
+    run_cli,
+    sbatch,
+    wait_for,
+)
 
 SLURM = ROOT / "slurm"
 RUN_SH = str(SLURM / "run.sh")
 TINY = TINY_RUN
-
-
-def sbatch(
-    cwd: Path,
-    *args: str,
-    options: tuple[str, ...] = (),
-    script: str = RUN_SH,
-    env: dict[str, str] | None = None,
-) -> str:
-    """Submit ``script`` with 2 tasks of 1 CPU (``options`` come later and win)."""
-    done = subprocess.run(
-        [
-            "sbatch",
-            "--parsable",
-            "--ntasks-per-node",
-            "2",
-            "--cpus-per-task",
-            "1",
-            "--time",
-            "10",
-            "--output",
-            str(cwd / "job.out"),
-            *options,
-            script,
-            *args,
-        ],
-        cwd=cwd,
-        env=cli_env(**(env or {})),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert done.returncode == 0, done.stderr
-    return done.stdout.strip().split(";")[0]
-
-
-def job_field(job: str, name: str) -> str:
-    out = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True).stdout
-    match = re.search(rf"\b{name}=(\S+)", out)
-    return match.group(1) if match else ""
-
-
-def wait_for(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return
-        time.sleep(0.5)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
-def release_requeues_until_done(job: str, cwd: Path, timeout: float = 300) -> None:
-    """A requeued job waits (BeginTime) before it restarts; start it at once, as an admin
-    would, until the job completes."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        state = job_field(job, "JobState")
-        if state == "COMPLETED":
-            return
-        if state in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
-            break
-        if state == "PENDING" and job_field(job, "Reason") == "BeginTime":
-            # Released at once, Slurm may restart the job before its last run has finished
-            # completing and kill it ("Job credential revoked"); an admin waits a moment.
-            time.sleep(5)
-            subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"])
-        time.sleep(1)
-    log = (cwd / "job.out").read_text() if (cwd / "job.out").exists() else ""
-    raise AssertionError(f"job {job} ended {job_field(job, 'JobState')}:\n{log[-3000:]}")
 
 
 def test_batch_and_environment_scripts_pass_shellcheck():
@@ -92,6 +32,9 @@ def test_batch_and_environment_scripts_pass_shellcheck():
         ROOT / "tests" / "run.sh",
         ROOT / ".ci" / "run",
         ROOT / "tests" / "cluster" / "qsub",
+        ROOT / "tests" / "cluster" / "start_local_slurm.sh",
+        ROOT / "tests" / "cluster" / "two_node_slurm.sh",
+        ROOT / "tests" / "cluster" / "netns-rsh",
     ]
     assert len(scripts) >= 10
     subprocess.run(["shellcheck", *map(str, scripts)], check=True)

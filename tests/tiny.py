@@ -5,6 +5,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import time
 from dataclasses import dataclass, field
 
@@ -47,6 +48,9 @@ class TinyOptions:
         default=False,
         metadata={"help": "a model whose submodules are named module and attn_module"},
     )
+    prepare_log: str = field(
+        default="", metadata={"help": "prepare_data appends 'HOST RANK' to this file"}
+    )
 
 
 class WrapperNames(nn.Module):
@@ -84,6 +88,11 @@ class TinyTrainer(BaseTrainer):
     @property
     def opts(self) -> TinyOptions:
         return self.options or TinyOptions()
+
+    def prepare_data(self) -> None:
+        if self.opts.prepare_log:
+            with open(self.opts.prepare_log, "a") as log:
+                log.write(f"{socket.gethostname()} {self.dist.rank}\n")
 
     def create_model(self) -> nn.Module:
         if self.opts.exit_note:  # an experiment's own clean-up, as a user would register it
