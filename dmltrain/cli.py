@@ -26,7 +26,7 @@ import argparse_dataclass
 
 from dmltrain import processes
 from dmltrain.config import SECTIONS, TrainConfig, field_names, load_config_file
-from dmltrain.errors import UserError, run_reporting_errors
+from dmltrain.errors import EXIT_PEER_LOST, UserError, run_reporting_errors
 from dmltrain.trainer import BaseTrainer
 
 ENTRY_POINT_GROUP = "dmltrain.experiments"
@@ -282,7 +282,8 @@ def main(argv: Sequence[str] | None = None, experiments: Sequence[Experiment] = 
         return 2
     trainer.name = experiment.name
     status = run_reporting_errors(trainer.fit, trainer.dist.rank, trainer.dist.world_size)
-    if config.status_file and trainer.dist.rank == 0:
+    # Rank 0's status; a lost peer's from any rank (rank 0 may be the one lost).
+    if config.status_file and (trainer.dist.rank == 0 or status == EXIT_PEER_LOST):
         Path(config.status_file).write_text(f"{status}\n")
     if processes.started_by_launcher(trainer.dist):
         processes.leave(status)  # the same exit as --nprocs workers, for the same reason

@@ -122,8 +122,8 @@ class DistConfig:
     status_file: str | None = field(
         default=None,
         metadata={
-            "help": "rank 0 writes its exit status to this file (torchrun reports every "
-            "worker failure as 1; the batch scripts read the status from here)"
+            "help": "rank 0 writes its exit status to this file, and any rank a lost peer's "
+            "(torchrun reports every worker failure as 1; the batch scripts read it here)"
         },
     )
 

@@ -23,9 +23,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.data import Dataset, Sampler
 
+from dmltrain import peers
 from dmltrain.config import DistConfig
 from dmltrain.data import ResumableSampler, ShardSampler
-from dmltrain.errors import PeerLost, UserError, first_line
+from dmltrain.errors import PeerLost, UserError
 from dmltrain.launch import DistInfo, default_device, hostname
 
 
@@ -50,6 +51,7 @@ class Strategy:
         self.info = info
         self.config = config
         self.peers: list[tuple[str, int]] = []  # (host, pid) of every rank, gathered at setup
+        self.store: Any = None  # the process group's key-value store (dist.TCPStore)
 
     def setup(self) -> DistInfo:
         return self.info
@@ -119,28 +121,22 @@ class Strategy:
         pass
 
     def lost_peer(self, exc: BaseException) -> PeerLost | None:
-        """If ``exc`` means another rank went away: a PeerLost naming it where possible."""
-        text = str(exc)
-        lost = isinstance(exc, dist.DistError) or any(
-            s in text for s in ("Connection closed by peer", "Connection reset", "timed out")
-        )
-        if not (self.info.distributed and lost):
+        """If ``exc`` means another rank went away: a PeerLost naming the ranks and hosts
+        that stopped answering (``dmltrain.peers``)."""
+        if not (self.info.distributed and peers.means_lost(exc)):
             return None
-        here = hostname()
-        # A killed process closes its sockets before it shows as a zombie: give it a moment.
-        deadline = time.monotonic() + 3.0
-        while True:
-            gone = [
-                r for r, (host, pid) in enumerate(self.peers) if host == here and not _alive(pid)
-            ]
-            if gone or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-        first = first_line(exc, None)
-        if len(first) > 160:
-            first = first[:160] + "..."
-        who = f"rank {', '.join(map(str, gone))} is gone" if gone else "another rank failed"
-        return PeerLost(f"lost contact with the other ranks: {who} ({first})")
+        here, rank = hostname(), self.info.rank
+        if self.store is not None:
+            missing = peers.roll_call(self.store, rank, self.info.world_size, window=10.0)
+        else:  # no store to call the roll through (Horovod): this host's ranks are looked up
+            deadline = time.monotonic() + 3.0  # a killed process closes its sockets first
+            while True:
+                missing = [r for r, (host, pid) in enumerate(self.peers)
+                           if host == here and peers.local_state(pid) != "running"]  # fmt: skip
+                if missing or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
+        return PeerLost(peers.describe(exc, missing, self.peers, rank, here))
 
 
 class DDPStrategy(Strategy):
@@ -150,12 +146,19 @@ class DDPStrategy(Strategy):
         backend = resolve_backend(self.config.backend, self.info.device)
         if self.info.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(self.info.device))
+        timeout = datetime.timedelta(seconds=self.config.dist_timeout)
+        # Made here rather than by init_method, to keep: the roll call after a failed
+        # collective goes through it (lost_peer).
+        self.store = dist.TCPStore(
+            self.info.master_addr, self.info.master_port, self.info.world_size,
+            is_master=self.info.rank == 0, timeout=timeout,
+        )  # fmt: skip
         dist.init_process_group(
             backend,
-            init_method=f"tcp://{self.info.master_addr}:{self.info.master_port}",
+            store=self.store,
             rank=self.info.rank,
             world_size=self.info.world_size,
-            timeout=datetime.timedelta(seconds=self.config.dist_timeout),
+            timeout=timeout,
         )
         self.peers = self.all_gather_object((hostname(), os.getpid()))
         # Control messages (preemption agreement) go over Gloo on the CPU, so they never
@@ -328,15 +331,6 @@ class HorovodStrategy(Strategy):
     def teardown(self) -> None:
         if hasattr(self, "hvd"):
             self.hvd.shutdown()
-
-
-def _alive(pid: int) -> bool:
-    """Whether process ``pid`` on this host still runs (a zombie counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as handle:
-            return handle.read().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 STRATEGIES: dict[str, Callable[[DistInfo, DistConfig], Strategy]] = {

@@ -27,6 +27,7 @@ class ConfigError(UserError, ValueError):
 
 EXIT_REQUEUE = 3  # "checkpoint saved, more to do": slurm/run.sh requeues the job
 EXIT_NONFINITE = 4  # stopped on a NaN/Inf (--check-nans --on-nan raise); checkpoints kept
+EXIT_PEER_LOST = 5  # another rank or host was lost; the checkpoints are intact: resume
 
 
 class StopForRequeue(Exception):
@@ -53,7 +54,7 @@ def run_reporting_errors(fn: Callable[[], object], rank: int, world_size: int) -
     """Run ``fn``; turn failures into one clear message on stderr and an exit code.
 
     Bad input: exit 2. Requeue wanted: 3. A NaN/Inf with ``--on-nan raise``: 4. A lost
-    peer (another rank died): exit 1 with a line saying so.
+    peer (another rank or its host went away): 5, with a line naming it.
     Anything else is a bug: the traceback, then a line naming this rank, exit 1.
     """
     who = f"[rank {rank}] " if world_size > 1 else ""
@@ -77,8 +78,10 @@ def run_reporting_errors(fn: Callable[[], object], rank: int, world_size: int) -
             print(f"dmltrain: stopped: {exc}", file=sys.stderr, flush=True)
         return EXIT_NONFINITE
     except PeerLost as exc:
-        print(f"dmltrain: {who}stopping: {exc}", file=sys.stderr, flush=True)
-        return 1
+        resume = "the checkpoints are intact: run the same command to resume"
+        print(f"dmltrain: {who}stopping: {exc}; {resume} (exit status {EXIT_PEER_LOST})",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return EXIT_PEER_LOST
     except Exception as exc:
         traceback.print_exc()
         print(f"dmltrain: {who}failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)

@@ -49,18 +49,26 @@ fi
 echo "dmltrain: job $job, restart ${SLURM_RESTART_COUNT:-0}, nodes ${SLURM_JOB_NODELIST:-?}, Horovod over MPI (srun --mpi=${DMLTRAIN_SRUN_MPI:-pmix})"
 
 # --strategy horovod: the ranks come from MPI (Horovod's MPI controller).
-srun --mpi="${DMLTRAIN_SRUN_MPI:-pmix}" dmltrain "$@" --strategy horovod --no-requeue
+# --wait: see slurm/run.sh.
+srun --mpi="${DMLTRAIN_SRUN_MPI:-pmix}" --wait="${DMLTRAIN_SRUN_WAIT:-120}" \
+    dmltrain "$@" --strategy horovod --no-requeue
 status=$?
 # >>> dmltrain block: slurm-requeue.sh (edit slurm/blocks/slurm-requeue.sh, then run sync.py)
 # Exit status 3: a checkpoint was saved and there is more to do (a preemption, the time
-# limit coming, or --epochs-per-job): requeue the job. In a chain of jobs (slurm/chain.sh
-# sets DMLTRAIN_REQUEUE=0) the next job of the chain goes on instead.
+# limit coming, or --epochs-per-job); 5: a rank or node was lost, the checkpoints are
+# intact. Both requeue the job, which resumes the newest checkpoint. In a chain of jobs
+# (slurm/chain.sh sets DMLTRAIN_REQUEUE=0) the next job of the chain goes on instead.
+why="checkpoint saved"
+if [ "$status" -eq 5 ]; then
+    why="a rank or node was lost, the checkpoints are intact"
+    status=3
+fi
 if [ "$status" -eq 3 ] && [ "${DMLTRAIN_REQUEUE:-1}" = 0 ]; then
-    echo "dmltrain: checkpoint saved; the next job of the chain goes on"
+    echo "dmltrain: $why; the next job of the chain goes on"
     exit 0
 fi
 if [ "$status" -eq 3 ]; then
-    echo "dmltrain: checkpoint saved, requeueing job $job"
+    echo "dmltrain: $why, requeueing job $job"
     if ! scontrol requeue "$job"; then
         # Under sbatch, $0 is slurmd's copy of the script: name the file that was submitted
         # (Slurm's Command= is that file, then its arguments).

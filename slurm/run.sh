@@ -50,20 +50,28 @@ echo "dmltrain: job $job, restart ${SLURM_RESTART_COUNT:-0}, nodes ${SLURM_JOB_N
 # script requeues (below) once srun has returned, so that a requeue never cancels the
 # job while its steps are still exiting. No --kill-on-bad-exit: ranks leaving with status
 # 3 must not be killed while they finish; a rank that fails stops the others anyway
-# (--dist-timeout).
-srun dmltrain "$@" --no-requeue
+# (--dist-timeout). --wait: once a rank has exited, srun waits this long for the others,
+# then ends the step: a node whose link is down never reports its ranks' exit, and the job
+# would stay RUNNING. DMLTRAIN_SRUN_WAIT (seconds) must stay above --dist-timeout + 20.
+srun --wait="${DMLTRAIN_SRUN_WAIT:-120}" dmltrain "$@" --no-requeue
 status=$?
 
 # >>> dmltrain block: slurm-requeue.sh (edit slurm/blocks/slurm-requeue.sh, then run sync.py)
 # Exit status 3: a checkpoint was saved and there is more to do (a preemption, the time
-# limit coming, or --epochs-per-job): requeue the job. In a chain of jobs (slurm/chain.sh
-# sets DMLTRAIN_REQUEUE=0) the next job of the chain goes on instead.
+# limit coming, or --epochs-per-job); 5: a rank or node was lost, the checkpoints are
+# intact. Both requeue the job, which resumes the newest checkpoint. In a chain of jobs
+# (slurm/chain.sh sets DMLTRAIN_REQUEUE=0) the next job of the chain goes on instead.
+why="checkpoint saved"
+if [ "$status" -eq 5 ]; then
+    why="a rank or node was lost, the checkpoints are intact"
+    status=3
+fi
 if [ "$status" -eq 3 ] && [ "${DMLTRAIN_REQUEUE:-1}" = 0 ]; then
-    echo "dmltrain: checkpoint saved; the next job of the chain goes on"
+    echo "dmltrain: $why; the next job of the chain goes on"
     exit 0
 fi
 if [ "$status" -eq 3 ]; then
-    echo "dmltrain: checkpoint saved, requeueing job $job"
+    echo "dmltrain: $why, requeueing job $job"
     if ! scontrol requeue "$job"; then
         # Under sbatch, $0 is slurmd's copy of the script: name the file that was submitted
         # (Slurm's Command= is that file, then its arguments).

@@ -54,7 +54,8 @@ echo "dmltrain: job $job, restart ${SLURM_RESTART_COUNT:-0}, ${SLURM_JOB_NUM_NOD
 # status (3: checkpoint saved, requeue) to a file on the shared file system.
 status_file="${SLURM_SUBMIT_DIR:-$PWD}/.dmltrain-status-$job"
 rm -f "$status_file"
-srun --ntasks-per-node=1 torchrun \
+# --wait: see slurm/run.sh.
+srun --ntasks-per-node=1 --wait="${DMLTRAIN_SRUN_WAIT:-120}" torchrun \
     --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node="$nproc" \
     --rdzv-backend=c10d --rdzv-endpoint="$head_node:$port" --rdzv-id="$job" \
     -m dmltrain "$@" --no-requeue --status-file "$status_file"
@@ -68,14 +69,20 @@ fi
 # <<< dmltrain block: status-file.sh
 # >>> dmltrain block: slurm-requeue.sh (edit slurm/blocks/slurm-requeue.sh, then run sync.py)
 # Exit status 3: a checkpoint was saved and there is more to do (a preemption, the time
-# limit coming, or --epochs-per-job): requeue the job. In a chain of jobs (slurm/chain.sh
-# sets DMLTRAIN_REQUEUE=0) the next job of the chain goes on instead.
+# limit coming, or --epochs-per-job); 5: a rank or node was lost, the checkpoints are
+# intact. Both requeue the job, which resumes the newest checkpoint. In a chain of jobs
+# (slurm/chain.sh sets DMLTRAIN_REQUEUE=0) the next job of the chain goes on instead.
+why="checkpoint saved"
+if [ "$status" -eq 5 ]; then
+    why="a rank or node was lost, the checkpoints are intact"
+    status=3
+fi
 if [ "$status" -eq 3 ] && [ "${DMLTRAIN_REQUEUE:-1}" = 0 ]; then
-    echo "dmltrain: checkpoint saved; the next job of the chain goes on"
+    echo "dmltrain: $why; the next job of the chain goes on"
     exit 0
 fi
 if [ "$status" -eq 3 ]; then
-    echo "dmltrain: checkpoint saved, requeueing job $job"
+    echo "dmltrain: $why, requeueing job $job"
     if ! scontrol requeue "$job"; then
         # Under sbatch, $0 is slurmd's copy of the script: name the file that was submitted
         # (Slurm's Command= is that file, then its arguments).

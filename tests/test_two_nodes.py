@@ -5,7 +5,11 @@ number of processes on one host (tiny_reference: --nprocs 2, a thread each)."""
 
 import os
 import re
+import shlex
+import signal
 import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -23,6 +27,8 @@ from helpers import (
     sbatch,
     wait_for,
 )
+
+from dmltrain.launch import free_port
 
 CLUSTER = Path(os.environ.get("DMLTRAIN_TWO_NODES", "/var/tmp/dmltrain-two-nodes"))
 PBS = ROOT / "slurm" / "pbs"
@@ -45,6 +51,12 @@ def two_nodes() -> dict[str, str]:
             pytest.fail(message)
         pytest.skip(message)
     return {"SLURM_CONF": str(CLUSTER / "slurm.conf")}
+
+
+def nodes_idle(env: dict[str, str]) -> bool:
+    states = subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], capture_output=True, text=True,
+                            env=cli_env(**env)).stdout.split()  # fmt: skip
+    return states == ["idle", "idle"]
 
 
 def hosts_of(log: str) -> str:
@@ -167,3 +179,153 @@ def test_derecho_sh_mpiexec_starts_a_rank_on_each_host(two_nodes, tiny_reference
     assert "2 node(s) x 1 rank(s), rendezvous node1:" in log
     assert hosts_of(log).startswith("dmltrain: node1: cpu; node2: cpu")
     assert_same_run(tiny_reference, tmp_path / "runs" / "tiny-101")
+
+
+# ----- a lost node ------------------------------------------------------------------------
+# Two ranks started straight into the nodes' namespaces (no scheduler between): rank 0 on
+# node1, rank 1 on node2, a step checkpoint every 4 steps, steps slowed so that a fault
+# lands mid-epoch, and collectives that give up after 20 s.
+LOST = [*TINY, "--checkpoint-every-steps", "4", "--step-sleep", "0.2", "--dist-timeout", "20"]
+
+
+def start_on_nodes(args: list[str], run: Path) -> list[subprocess.Popen]:
+    """``python -m dmltrain ARGS`` as rank 0 on node1 and rank 1 on node2 (the variables
+    torchrun would set; the rendezvous at node1's address)."""
+    port = free_port()  # free here; nothing else listens in node1's namespace
+    procs = []
+    for rank in (0, 1):
+        command = shlex.join([sys.executable, "-m", "dmltrain", *args, "--run-dir", str(run)])
+        env = cli_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0",
+                      MASTER_ADDR="10.213.0.11", MASTER_PORT=str(port))  # fmt: skip
+        procs.append(subprocess.Popen(
+            ["nsenter", f"--net=/run/netns/dmln{rank + 1}", "unshare", "--uts", "sh", "-c",
+             f"hostname node{rank + 1} && exec {command}"],
+            cwd=run.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        ))  # fmt: skip
+    return procs
+
+
+def wait_for_line(proc: subprocess.Popen, text: str) -> None:
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if text in line:
+            return
+    raise AssertionError(f"the run ended before printing {text!r}")
+
+
+def ends(procs: list[subprocess.Popen], within: float) -> list[tuple[int, str, str]]:
+    """(exit status, stdout, stderr) of each rank; each must end within ``within`` s."""
+    deadline = time.monotonic() + within
+    out = []
+    for proc in procs:
+        stdout, err = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        out.append((proc.returncode, stdout, err))
+    return out
+
+
+def resumed_equals_reference(run: Path, reference: Path) -> None:
+    results = ends(start_on_nodes(LOST, run), 300)
+    assert [code for code, _, _ in results] == [0, 0], results[0][2][-2000:]
+    assert "dmltrain: resuming from" in results[0][1]
+    assert_same_run(reference, run)
+
+
+def lost_line(err: str) -> str:
+    """The one line a rank prints when it loses contact; no backend traceback."""
+    assert "Traceback" not in err, err[-3000:]
+    (line,) = [line for line in err.splitlines() if "stopping: lost contact with" in line]
+    assert line.endswith("the checkpoints are intact: run the same command to resume "
+                         "(exit status 5)")  # fmt: skip
+    return line
+
+
+@pytest.mark.parametrize("fault", ["link down", "node2 killed", "rank 1 stopped"])
+def test_a_lost_node_is_named_and_the_run_resumes_bitwise(two_nodes, tiny_reference, tmp_path,
+                                                          fault):  # fmt: skip
+    """node2's link goes down, every process on node2 is killed (SIGKILL), or rank 1 is
+    stopped (SIGSTOP), mid-epoch after a step checkpoint. The survivors stop within
+    --dist-timeout + 30 s with exit status 5 and one line naming the rank and host that
+    stopped answering; started again, the run resumes from the newest step checkpoint and
+    ends bitwise equal to one never interrupted."""
+    run = tmp_path / "run"
+    procs = start_on_nodes(LOST, run)
+    wait_for_line(procs[0], "epoch 1/3 step 6/")  # after the checkpoint of step 4
+    try:
+        if fault == "link down":
+            subprocess.run(["ip", "link", "set", "vh2", "down"], check=True)
+        elif fault == "node2 killed":
+            pids = subprocess.run(["ip", "netns", "pids", "dmln2"], capture_output=True,
+                                  text=True, check=True).stdout.split()  # fmt: skip
+            for pid in pids:  # all but the cluster's own daemons, which later tests use
+                if Path(f"/proc/{pid}/comm").read_text().strip() not in ("slurmd", "slurmstepd"):
+                    os.kill(int(pid), signal.SIGKILL)
+        else:
+            os.kill(procs[1].pid, signal.SIGSTOP)
+        if fault == "rank 1 stopped":
+            code, _, err = ends(procs[:1], 20 + 30)[0]
+            os.kill(procs[1].pid, signal.SIGKILL)
+            procs[1].wait(timeout=30)
+        else:
+            (code, _, err), (code1, _, err1) = ends(procs, 20 + 30)
+            if fault == "link down":  # node2's rank cannot reach node1, where the store is
+                assert code1 == 5
+                assert "[rank 1] stopping: lost contact with rank 0 on node1 (not answering)" \
+                    in lost_line(err1)  # fmt: skip
+    finally:
+        subprocess.run(["ip", "link", "set", "vh2", "up"], check=True)
+    assert code == 5, err[-3000:]
+    assert "[rank 0] stopping: lost contact with rank 1 on node2 (not answering)" in lost_line(err)
+    resumed_equals_reference(run, tiny_reference)
+
+
+def test_a_job_that_lost_a_node_ends_requeues_and_resumes_bitwise(two_nodes, tiny_reference,
+                                                                  tmp_path):  # fmt: skip
+    """slurm/run.sh with node2's link down mid-epoch: rank 0 exits with status 5, srun
+    gives node2 up DMLTRAIN_SRUN_WAIT seconds (node2 cannot report its rank's exit), ends
+    the step, and the script requeues the job; once the link is back, the job resumes from
+    the newest step checkpoint and ends bitwise equal to a run never interrupted."""
+    job = sbatch(tmp_path, *LOST, options=NODES,
+                 env={**two_nodes, "DMLTRAIN_SRUN_WAIT": "30"})  # fmt: skip
+    out = tmp_path / "job.out"
+    wait_for(lambda: out.exists() and "epoch 1/3 step 6/" in out.read_text(), 120, "training")
+    subprocess.run(["ip", "link", "set", "vh2", "down"], check=True)
+    try:  # --dist-timeout 20, the roll call, --wait 30, srun's own 12 s, the requeue
+        wait_for(lambda: "requeueing job" in out.read_text(), 20 + 16 + 30 + 12 + 30, "requeue")
+    finally:
+        subprocess.run(["ip", "link", "set", "vh2", "up"], check=True)
+    # Requeued jobs wait a while before they start; an admin starting this one at once
+    # waits until node2, back, has finished with its first run (else Slurm kills the new
+    # step: "Job credential revoked").
+    wait_for(lambda: nodes_idle(two_nodes), 120, "both nodes idle")
+    release_requeues_until_done(job, tmp_path, env=two_nodes)
+    log = out.read_text()
+    assert "stopping: lost contact with rank 1 on node2 (not answering)" in log
+    assert "a rank or node was lost, the checkpoints are intact, requeueing job" in log
+    assert "dmltrain: resuming from" in log and "restart 1" in log
+    assert_same_run(tiny_reference, tmp_path / "runs" / f"tiny-{job}")
+
+
+def test_a_slow_link_only_slows_the_run(two_nodes, tiny_reference, tmp_path):
+    """node2's link cut to 1 Mbit/s with up to 400 ms of queueing (tc tbf; this kernel has
+    no netem to add a delay): the same result, only later."""
+    subprocess.run(["tc", "qdisc", "add", "dev", "vh2", "root", "tbf", "rate", "1mbit", "burst",
+                    "32kbit", "latency", "400ms"], check=True)  # fmt: skip
+    try:
+        job = sbatch(tmp_path, *TINY, options=NODES, env=two_nodes)
+        release_requeues_until_done(job, tmp_path, env=two_nodes)
+    finally:
+        subprocess.run(["tc", "qdisc", "del", "dev", "vh2", "root"], check=True)
+    assert_same_run(tiny_reference, tmp_path / "runs" / f"tiny-{job}")
+
+
+def test_usr1_to_a_two_node_job_checkpoints_requeues_and_resumes(two_nodes, tiny_reference,
+                                                                 tmp_path):  # fmt: skip
+    job = sbatch(tmp_path, *TINY, "--step-sleep", "0.4", options=NODES, env=two_nodes)
+    out = tmp_path / "job.out"
+    wait_for(lambda: out.exists() and "epoch 1/3 step 3/" in out.read_text(), 120, "training")
+    subprocess.run(["scancel", "--signal=USR1", job], check=True, env=cli_env(**two_nodes))
+    release_requeues_until_done(job, tmp_path, env=two_nodes)
+    log = out.read_text()
+    assert "preempted (SIGUSR1)" in log and "checkpoint saved, requeueing job" in log
+    assert "dmltrain: resuming from" in log and "restart 1" in log
+    assert_same_run(tiny_reference, tmp_path / "runs" / f"tiny-{job}")

@@ -85,14 +85,20 @@ mpiexec -n "$ranks" "${per_node[@]}" dmltrain "$experiment" --run-dir "$run_dir"
 status=$?
 
 # >>> dmltrain block: pbs-resubmit.sh (edit slurm/blocks/pbs-resubmit.sh, then run sync.py)
-# Exit status 3: a checkpoint was saved and there is more to do: submit the job again
-# (DMLTRAIN_RESUBMIT=0: only print how).
+# Exit status 3: a checkpoint was saved and there is more to do; 5: a rank or node was
+# lost, the checkpoints are intact. Both submit the job again, which resumes the newest
+# checkpoint (DMLTRAIN_RESUBMIT=0: only print how).
+why="checkpoint saved"
+if [ "$status" -eq 5 ]; then
+    why="a rank or node was lost, the checkpoints are intact"
+    status=3
+fi
 if [ "$status" -eq 3 ]; then
     if [ "${DMLTRAIN_RESUBMIT:-1}" = 1 ] && command -v qsub >/dev/null; then
-        echo "dmltrain: checkpoint saved; resubmitting $script"
+        echo "dmltrain: $why; resubmitting $script"
         qsub -v "DMLTRAIN_RUN_DIR=$run_dir,DMLTRAIN_ENV=${DMLTRAIN_ENV:-},DMLTRAIN_ARGS=$experiment $*" "$script"
     else
-        echo "dmltrain: checkpoint saved; go on with: qsub -v DMLTRAIN_RUN_DIR=$run_dir,DMLTRAIN_ARGS=\"$experiment $*\" $script"
+        echo "dmltrain: $why; go on with: qsub -v DMLTRAIN_RUN_DIR=$run_dir,DMLTRAIN_ARGS=\"$experiment $*\" $script"
     fi
     exit 0
 fi

@@ -1,0 +1,93 @@
+"""Who stopped answering when a collective failed: the surviving ranks' roll call.
+
+A failed collective says little: Gloo reports a closed connection or a timeout, not which
+rank is gone. So each surviving rank checks in through the job's key-value store (the
+TCPStore that rank 0 holds for the process group) and waits a few seconds for the others;
+the ranks that never check in are named, with their hosts. A rank on this host is also
+looked up in ``/proc``: gone, or stopped (SIGSTOP). When the store itself does not
+answer, rank 0, which holds it, is the one this rank lost contact with.
+"""
+
+import re
+import threading
+import time
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+from dmltrain.errors import first_line
+
+# What a collective's error says when another rank died, hangs or cannot be reached.
+_LOST = ("connection closed by peer", "connection reset", "timed out", "broken pipe",
+         "connection refused", "no route to host")  # fmt: skip
+
+
+def means_lost(exc: BaseException) -> bool:
+    """Whether ``exc``, raised by a collective, means that another rank went away."""
+    text = str(exc).lower()
+    return type(exc).__name__ == "DistError" or any(s in text for s in _LOST)
+
+
+def roll_call(store: Any, rank: int, world_size: int, window: float) -> list[int] | None:
+    """Check in as alive and wait up to ``window`` seconds for every rank to do the same.
+    Returns the ranks that did not, or None when the store does not answer.
+
+    In a thread of its own, given up after ``window`` and a few seconds: on a link that is
+    down, a store request waits for TCP to give up (many minutes), whatever its timeout."""
+    result: list[list[int] | None] = [None]
+    thread = threading.Thread(
+        target=lambda: result.__setitem__(0, _roll_call(store, rank, world_size, window)),
+        name="dmltrain-roll-call",
+        daemon=True,
+    )
+    thread.start()
+    thread.join(window + 6.0)
+    return result[0]
+
+
+def _roll_call(store: Any, rank: int, world_size: int, window: float) -> list[int] | None:
+    try:
+        store.set_timeout(timedelta(seconds=5))
+        store.set(f"dmltrain/alive/{rank}", "1")
+        arrived = store.add("dmltrain/alive", 1)  # a count to poll, not world_size keys
+        deadline = time.monotonic() + window
+        while arrived < world_size and time.monotonic() < deadline:
+            time.sleep(0.2)
+            arrived = store.add("dmltrain/alive", 0)
+        return [r for r in range(world_size) if not store.check([f"dmltrain/alive/{r}"])]
+    except Exception:  # a store that cannot be reached raises whatever its transport does
+        return None
+
+
+def local_state(pid: int) -> str:
+    """How process ``pid`` of this host is: 'running', 'stopped' (SIGSTOP) or 'gone'."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            state = handle.read().rsplit(")", 1)[-1].split()[0]
+    except OSError:
+        return "gone"
+    return {"Z": "gone", "X": "gone", "T": "stopped", "t": "stopped"}.get(state, "running")
+
+
+def describe(
+    exc: BaseException,
+    missing: list[int] | None,
+    peers: Sequence[tuple[str, int]],
+    rank: int,
+    here: str,
+) -> str:
+    """One line: which ranks on which hosts this rank lost contact with, and the error."""
+    if missing is None:  # the store is rank 0's: it is rank 0 that does not answer
+        missing = [0]
+    parts = []
+    for r in missing:
+        if r == rank or r >= len(peers):
+            continue
+        host, pid = peers[r]
+        state = local_state(pid) if host == here else "not answering"
+        parts.append(f"rank {r} on {host} ({state})")
+    who = ", ".join(parts) if parts else "another rank"
+    error = re.sub(r"^\[[^\]]*\]\s*", "", first_line(exc, None))  # no "[file.cc:78]"
+    if len(error) > 160:
+        error = error[:160] + "..."
+    return f"lost contact with {who}: {error}"
