@@ -1,0 +1,72 @@
+"""The roll call after a failed collective (dmltrain/peers.py) with a real TCPStore; the
+whole path, with real ranks on two hosts, is in test_two_nodes and test_distributed."""
+
+import datetime
+import signal
+import socket
+import subprocess
+import threading
+import time
+
+import torch.distributed as dist
+
+from dmltrain.launch import free_port
+from dmltrain.peers import describe, local_state, means_lost, roll_call
+
+
+def store(port: int, master: bool) -> dist.TCPStore:
+    timeout = datetime.timedelta(seconds=10)
+    return dist.TCPStore("127.0.0.1", port, 2, is_master=master, timeout=timeout,
+                         wait_for_workers=False)  # fmt: skip
+
+
+def test_collective_errors_that_mean_a_peer_is_lost():
+    assert means_lost(RuntimeError("[gloo/x.cc:78] Timed out waiting 20000ms for recv"))
+    assert means_lost(RuntimeError("Connection closed by peer [10.0.0.2]:1234"))
+    assert not means_lost(RuntimeError("CUDA out of memory"))
+
+
+def test_roll_call_names_the_rank_that_never_checks_in():
+    port = free_port()
+    master, other = store(port, True), store(port, False)
+    found: list = []
+    thread = threading.Thread(target=lambda: found.append(roll_call(other, 1, 2, window=5.0)))
+    thread.start()
+    assert roll_call(master, 0, 2, window=5.0) == []  # both checked in
+    thread.join()
+    assert found == [[]]
+    lonely = store(free_port(), True)
+    started = time.monotonic()
+    assert roll_call(lonely, 0, 2, window=1.0) == [1]
+    assert time.monotonic() - started < 5
+
+
+def test_a_store_that_does_not_answer_gives_none_in_time():
+    port = free_port()
+    master = store(port, True)
+    client = store(port, False)
+    del master  # the server is gone: rank 0, which holds it, is the one lost
+    started = time.monotonic()
+    assert roll_call(client, 1, 2, window=1.0) is None
+    assert time.monotonic() - started < 1.0 + 6.0 + 1.0
+
+
+def test_local_state_and_the_line():
+    child = subprocess.Popen(["sleep", "30"])
+    try:
+        assert local_state(child.pid) == "running"
+        child.send_signal(signal.SIGSTOP)
+        time.sleep(0.2)
+        assert local_state(child.pid) == "stopped"
+        here = socket.gethostname()
+        peers = [(here, 1), (here, child.pid), ("node2", 7)]
+        line = describe(RuntimeError("[gloo/u.cc:78] Timed out waiting"), [1, 2], peers, 0, here)
+        assert line == (f"lost contact with rank 1 on {here} (stopped), rank 2 on node2 "
+                        "(not answering): Timed out waiting")  # fmt: skip
+        assert describe(RuntimeError("x"), None, peers, 2, "node2").startswith(
+            f"lost contact with rank 0 on {here} (not answering)"
+        )  # no store to reach: rank 0 holds it
+    finally:
+        child.kill()
+        child.wait()
+    assert local_state(child.pid) == "gone"
