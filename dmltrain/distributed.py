@@ -23,11 +23,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.data import Dataset, Sampler
 
-from dmltrain import peers
+from dmltrain import peers, preflight
 from dmltrain.config import DistConfig
 from dmltrain.data import ResumableSampler, ShardSampler
 from dmltrain.errors import PeerLost, UserError
-from dmltrain.launch import DistInfo, default_device, hostname
+from dmltrain.launch import DistInfo, RunEnvironment, default_device, hostname
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -53,7 +53,7 @@ class Strategy:
         self.peers: list[tuple[str, int]] = []  # (host, pid) of every rank, gathered at setup
         self.store: Any = None  # the process group's key-value store (dist.TCPStore)
 
-    def setup(self) -> DistInfo:
+    def setup(self, environment: RunEnvironment | None = None) -> DistInfo:
         return self.info
 
     def backend(self) -> str:
@@ -142,17 +142,25 @@ class Strategy:
 class DDPStrategy(Strategy):
     name = "ddp"
 
-    def setup(self) -> DistInfo:
+    def setup(self, environment: RunEnvironment | None = None) -> DistInfo:
         backend = resolve_backend(self.config.backend, self.info.device)
         if self.info.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(self.info.device))
         timeout = datetime.timedelta(seconds=self.config.dist_timeout)
-        # Made here rather than by init_method, to keep: the roll call after a failed
-        # collective goes through it (lost_peer).
-        self.store = dist.TCPStore(
-            self.info.master_addr, self.info.master_port, self.info.world_size,
-            is_master=self.info.rank == 0, timeout=timeout,
-        )  # fmt: skip
+        here = hostname()
+        # Made here rather than by init_method, to keep: the checks across hosts before the
+        # first collective, and the roll call after a failed one, go through it.
+        try:
+            self.store = dist.TCPStore(
+                self.info.master_addr, self.info.master_port, self.info.world_size,
+                is_master=self.info.rank == 0, timeout=timeout,
+            )  # fmt: skip
+        except RuntimeError as exc:  # DistStoreError and the transport's timeouts
+            raise preflight.rendezvous_failed(
+                exc, self.info, here, self.config.dist_timeout
+            ) from None
+        interface = environment is not None and environment.socket_interface is not None
+        preflight.check(self.store, self.info, here, interface)
         dist.init_process_group(
             backend,
             store=self.store,
@@ -250,7 +258,7 @@ class FSDPStrategy(DDPStrategy):
 class HorovodStrategy(Strategy):
     name = "horovod"
 
-    def setup(self) -> DistInfo:
+    def setup(self, environment: RunEnvironment | None = None) -> DistInfo:
         try:
             import horovod.torch as hvd
         except ImportError:

@@ -86,6 +86,7 @@ class RunEnvironment:
     cpus_per_task: int | None = None  # SLURM_CPUS_PER_TASK
     cpus: tuple[int, ...] = ()  # the CPUs this process may run on (cpu_set)
     cores: int = 1  # physical cores among them
+    socket_interface: str | None = None  # GLOO_SOCKET_IFNAME: the interface Gloo uses
 
 
 def run_environment(env: Env | None = None, parent: Env | None = None) -> RunEnvironment:
@@ -106,6 +107,7 @@ def run_environment(env: Env | None = None, parent: Env | None = None) -> RunEnv
         cpus_per_task=_positive(env.get("SLURM_CPUS_PER_TASK")),
         cpus=(cpus := cpu_set()),
         cores=physical_cores(cpus),
+        socket_interface=env.get("GLOO_SOCKET_IFNAME") or None,
     )
 
 

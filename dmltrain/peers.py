@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
-from dmltrain.errors import first_line
+from dmltrain.errors import UserError, first_line
 
 # What a collective's error says when another rank died, hangs or cannot be reached.
 _LOST = ("connection closed by peer", "connection reset", "timed out", "broken pipe",
@@ -23,7 +23,10 @@ _LOST = ("connection closed by peer", "connection reset", "timed out", "broken p
 
 
 def means_lost(exc: BaseException) -> bool:
-    """Whether ``exc``, raised by a collective, means that another rank went away."""
+    """Whether ``exc``, raised by a collective, means that another rank went away (not a
+    UserError, which says what is wrong itself)."""
+    if isinstance(exc, UserError):
+        return False
     text = str(exc).lower()
     return type(exc).__name__ == "DistError" or any(s in text for s in _LOST)
 

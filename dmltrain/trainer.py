@@ -277,7 +277,7 @@ class BaseTrainer(TrainerHooks):
     # ----- setup -----------------------------------------------------------------------------
     def setup(self) -> None:
         """Processes, run directory, model, data, optimizer, state: everything ``fit`` needs."""
-        self.dist = self.strategy.setup()
+        self.dist = self.strategy.setup(self.environment)
         self.device = torch.device(self.dist.device)
         cfg, loop, dist = self.config, self.config.loop, self.dist
         self.progress = Progress(

@@ -188,18 +188,25 @@ def test_derecho_sh_mpiexec_starts_a_rank_on_each_host(two_nodes, tiny_reference
 LOST = [*TINY, "--checkpoint-every-steps", "4", "--step-sleep", "0.2", "--dist-timeout", "20"]
 
 
-def start_on_nodes(args: list[str], run: Path) -> list[subprocess.Popen]:
+def start_on_nodes(
+    args: list[str],
+    run: Path,
+    names: tuple[str, str] = ("node1", "node2"),
+    rank1: dict[str, str] | None = None,
+) -> list[subprocess.Popen]:
     """``python -m dmltrain ARGS`` as rank 0 on node1 and rank 1 on node2 (the variables
-    torchrun would set; the rendezvous at node1's address)."""
+    torchrun would set; the rendezvous at node1's address). ``names``: the hostnames they
+    run under; ``rank1``: what rank 1's environment has different."""  # fmt: skip
     port = free_port()  # free here; nothing else listens in node1's namespace
     procs = []
     for rank in (0, 1):
         command = shlex.join([sys.executable, "-m", "dmltrain", *args, "--run-dir", str(run)])
         env = cli_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0",
                       MASTER_ADDR="10.213.0.11", MASTER_PORT=str(port))  # fmt: skip
+        env.update(rank1 or {} if rank == 1 else {})
         procs.append(subprocess.Popen(
             ["nsenter", f"--net=/run/netns/dmln{rank + 1}", "unshare", "--uts", "sh", "-c",
-             f"hostname node{rank + 1} && exec {command}"],
+             f"hostname {names[rank]} && exec {command}"],
             cwd=run.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         ))  # fmt: skip
     return procs
@@ -329,3 +336,50 @@ def test_usr1_to_a_two_node_job_checkpoints_requeues_and_resumes(two_nodes, tiny
     assert "preempted (SIGUSR1)" in log and "checkpoint saved, requeueing job" in log
     assert "dmltrain: resuming from" in log and "restart 1" in log
     assert_same_run(tiny_reference, tmp_path / "runs" / f"tiny-{job}")
+
+
+# ----- what would hang: caught at the rendezvous, one line naming the node ----------------
+def misconfigured(procs: list[subprocess.Popen], within: float) -> list[str]:
+    """Every rank exits with status 2 and one error line, within ``within`` seconds."""
+    lines = []
+    for code, _, err in ends(procs, within):
+        errors = [line for line in err.splitlines() if line.startswith("dmltrain: error:")]
+        assert code == 2 and len(errors) == 1 and "Traceback" not in err, err[-3000:]
+        lines.append(errors[0])
+    return lines
+
+
+def test_a_host_name_that_resolves_to_loopback_is_named(two_nodes, tmp_path):
+    """Debian's /etc/hosts maps a machine's own name to 127.0.1.1: node2 runs under such a
+    name here. Gloo would offer node1 that address and wait out --dist-timeout."""
+    with open("/etc/hosts", "a") as hosts:
+        hosts.write("127.0.1.1 node2-loop # dmltrain-two-node\n")
+    try:
+        procs = start_on_nodes([*TINY, "--dist-timeout", "60"], tmp_path / "run",
+                               names=("node1", "node2-loop"))  # fmt: skip
+        lines = misconfigured(procs, 30)
+    finally:
+        subprocess.run(["sed", "-i", "/^127.0.1.1 node2-loop /d", "/etc/hosts"], check=True)
+    for line in lines:
+        assert "the name of node2-loop (127.0.1.1) resolves to a loopback address" in line
+
+
+def test_different_versions_on_the_nodes_are_named(two_nodes, tmp_path):
+    """node2's Python finds another dmltrain first (an older install on its path)."""
+    other = tmp_path / "other" / "dmltrain-0.0.1.dist-info"
+    other.mkdir(parents=True)
+    (other / "METADATA").write_text("Metadata-Version: 2.1\nName: dmltrain\nVersion: 0.0.1\n")
+    path = f"{other.parent}{os.pathsep}{cli_env()['PYTHONPATH']}"
+    procs = start_on_nodes(TINY, tmp_path / "run", rank1={"PYTHONPATH": path})
+    for line in misconfigured(procs, 60):
+        assert "the nodes run different versions of dmltrain:" in line
+        assert "0.0.1 on node2: install the same environment on every node" in line
+
+
+def test_a_rendezvous_that_a_node_cannot_reach_is_named(two_nodes, tmp_path):
+    """node2 is given an address for the rendezvous that does not answer."""
+    procs = start_on_nodes([*TINY, "--dist-timeout", "10"], tmp_path / "run",
+                           rank1={"MASTER_ADDR": "10.213.0.99"})  # fmt: skip
+    first, second = misconfigured(procs, 10 + 30)
+    assert "rank 0 on node1: not every rank reached the rendezvous at 10.213.0.11:" in first
+    assert "rank 1 on node2 cannot reach the rendezvous at 10.213.0.99:" in second

@@ -1,0 +1,85 @@
+"""Checks across the job's hosts before the first collective, one line each naming the node.
+
+The ranks meet at the rendezvous (the TCPStore at MASTER_ADDR) before the process group
+connects them to each other. What would make that connection hang for ``--dist-timeout``
+and then fail with a backend's message is checked here, through the store:
+
+- a rank that cannot reach the rendezvous, or a rendezvous that not every rank reaches;
+- a host whose name resolves to a loopback address (Debian writes ``127.0.1.1 HOSTNAME``
+  into /etc/hosts) in a job that spans hosts: Gloo would offer the others that address;
+- hosts with different versions of torch, dmltrain or Horovod.
+"""
+
+import importlib.metadata
+import json
+import socket
+from typing import Any
+
+import torch
+
+from dmltrain.errors import UserError, first_line
+from dmltrain.launch import DistInfo
+
+
+def rendezvous_failed(exc: BaseException, info: DistInfo, here: str, seconds: float) -> UserError:
+    """The one line for a TCPStore that could not be made (``exc``) on this rank."""
+    where = f"{info.master_addr}:{info.master_port}"
+    if info.rank == 0:
+        return UserError(
+            f"rank 0 on {here}: not every rank reached the rendezvous at {where} within "
+            f"{seconds:g} s ({first_line(exc)}): the others cannot reach this address "
+            "(MASTER_ADDR) or did not start"
+        )
+    return UserError(
+        f"rank {info.rank} on {here} cannot reach the rendezvous at {where} (MASTER_ADDR) "
+        f"within {seconds:g} s: check that the nodes can reach each other at that address"
+    )
+
+
+def _resolves_to(name: str) -> str | None:
+    try:
+        return socket.gethostbyname(name)
+    except OSError:
+        return None
+
+
+def _packages() -> dict[str, str | None]:
+    found: dict[str, str | None] = {"torch": torch.__version__}
+    for name in ("dmltrain", "horovod"):
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def check(store: Any, info: DistInfo, here: str, interface_set: bool) -> None:
+    """Every rank posts its host, the address its name resolves to and its versions, reads
+    everyone's, and raises the same UserError on every rank when something is wrong.
+    ``interface_set``: GLOO_SOCKET_IFNAME chooses the address, so the name's does not
+    matter."""
+    mine = {"host": here, "address": _resolves_to(here), "versions": _packages()}
+    store.set(f"dmltrain/preflight/{info.rank}", json.dumps(mine))
+    keys = [f"dmltrain/preflight/{r}" for r in range(info.world_size)]
+    ranks = [json.loads(store.get(key)) for key in keys]
+    hosts = {r["host"]: r for r in ranks}
+    if len(hosts) > 1 and not interface_set:
+        loopback = [f"{h} ({r['address']})" for h, r in hosts.items()
+                    if (r["address"] or "").startswith("127.")]  # fmt: skip
+        if loopback:
+            raise UserError(
+                f"the job spans {len(hosts)} hosts, and the name of {', '.join(loopback)} "
+                "resolves to a loopback address the others cannot reach: map it to the "
+                "node's network address in /etc/hosts, or set GLOO_SOCKET_IFNAME (and "
+                "NCCL_SOCKET_IFNAME) to the network interface"
+            )
+    for package in ("torch", "dmltrain", "horovod"):
+        seen: dict[str | None, list[str]] = {}
+        for host, r in hosts.items():
+            seen.setdefault(r["versions"].get(package), []).append(host)
+        if len(seen) > 1:
+            which = "; ".join(f"{v or 'not installed'} on {', '.join(h)}" for v, h in seen.items())
+            raise UserError(
+                f"the nodes run different versions of {package}: {which}: install the same "
+                "environment on every node"
+            )
