@@ -57,7 +57,10 @@ def _roll_call(store: Any, rank: int, world_size: int, window: float) -> list[in
         while arrived < world_size and time.monotonic() < deadline:
             time.sleep(0.2)
             arrived = store.add("dmltrain/alive", 0)
-        return [r for r in range(world_size) if not store.check([f"dmltrain/alive/{r}"])]
+        missing = [r for r in range(world_size) if not store.check([f"dmltrain/alive/{r}"])]
+        if rank == 0:  # the store lives in this process: the others may still be reading
+            time.sleep(1.0)
+        return missing
     except Exception:  # a store that cannot be reached raises whatever its transport does
         return None
 

@@ -383,3 +383,24 @@ def test_a_rendezvous_that_a_node_cannot_reach_is_named(two_nodes, tmp_path):
     first, second = misconfigured(procs, 10 + 30)
     assert "rank 0 on node1: not every rank reached the rendezvous at 10.213.0.11:" in first
     assert "rank 1 on node2 cannot reach the rendezvous at 10.213.0.99:" in second
+
+
+def test_a_node_marked_down_requeues_the_job_and_it_resumes_bitwise(two_nodes, tiny_reference,
+                                                                    tmp_path):  # fmt: skip
+    """node2's slurmd stops while the job runs: Slurm marks node2 DOWN (after SlurmdTimeout,
+    20 s on this cluster), cancels the job and requeues it; the ranks stop with a step
+    checkpoint (SIGTERM). Once node2's slurmd is back, the job resumes bitwise equal."""
+    slow = [*TINY, "--checkpoint-every-steps", "4", "--step-sleep", "3", "--dist-timeout", "20"]
+    job = sbatch(tmp_path, *slow, options=NODES, env=two_nodes)
+    out = tmp_path / "job.out"
+    wait_for(lambda: out.exists() and "epoch 1/3 step 2/" in out.read_text(), 120, "training")
+    pid = int((CLUSTER / "slurmd-node2.pid").read_text())
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: job_field(job, "Restarts", two_nodes) == "1", 120, "the requeue")
+    subprocess.run(["bash", str(TESTS / "cluster" / "two_node_slurm.sh"), "slurmd", "2"],
+                   check=True)  # fmt: skip
+    wait_for(lambda: nodes_idle(two_nodes), 120, "node2 back")
+    release_requeues_until_done(job, tmp_path, env=two_nodes)
+    log = out.read_text()
+    assert "DUE TO NODE FAILURE" in log and "dmltrain: resuming from" in log
+    assert_same_run(tiny_reference, tmp_path / "runs" / f"tiny-{job}")

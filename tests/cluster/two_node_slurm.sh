@@ -8,6 +8,7 @@
 #
 #   bash tests/cluster/two_node_slurm.sh up     # start it (again: a no-op when it is up)
 #   bash tests/cluster/two_node_slurm.sh down   # stop it and remove everything it made
+#   bash tests/cluster/two_node_slurm.sh slurmd 2   # start node2's slurmd again
 #
 # Needs root, iproute2 (ip), util-linux (nsenter, unshare) and slurm-wlm. Only the
 # namespaces, bridge and /etc/hosts lines (tagged "# dmltrain-two-node") made here are
@@ -34,10 +35,16 @@ nodes_up() {
     [ "$(SLURM_CONF=$conf sinfo -h -N -o '%N %T' 2>/dev/null | grep -cE ' (idle|mixed|allocated)$')" = 2 ]
 }
 
+start_slurmd() {  # node number
+    nsenter --net="/run/netns/dmln$1" unshare --uts \
+        sh -c "hostname node$1 && SLURM_CONF='$dir/node$1/slurm.conf' slurmd -f '$dir/node$1/slurm.conf'"
+}
+
 case "${1:-}" in
     down) down; exit 0 ;;
+    slurmd) start_slurmd "${2:?which node: 1 or 2}"; exit 0 ;;
     up) ;;
-    *) echo "usage: bash tests/cluster/two_node_slurm.sh up|down" >&2; exit 2 ;;
+    *) echo "usage: bash tests/cluster/two_node_slurm.sh up|down|slurmd N" >&2; exit 2 ;;
 esac
 
 if [ -f "$conf" ] && nodes_up; then
@@ -80,6 +87,8 @@ SlurmctldLogFile=$dir/slurmctld.log
 SlurmdLogFile=$dir/slurmd-%n.log
 MpiDefault=none
 KillWait=10
+# Nodes that stop answering are marked DOWN after 20 s (real clusters: minutes).
+SlurmdTimeout=20
 NodeName=node1 NodeAddr=$net.11 CPUs=$(nproc) RealMemory=4000 State=UNKNOWN
 NodeName=node2 NodeAddr=$net.12 CPUs=$(nproc) RealMemory=4000 State=UNKNOWN
 PartitionName=two Nodes=node1,node2 Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
@@ -92,8 +101,7 @@ for n in 1 2; do
     mkdir -p "$dir/node$n" "$dir/pmix-node$n"
     cp "$conf" "$dir/node$n/slurm.conf"
     echo "PMIxCliTmpDirBase=$dir/pmix-node$n" > "$dir/node$n/mpi.conf"
-    nsenter --net="/run/netns/dmln$n" unshare --uts \
-        sh -c "hostname node$n && SLURM_CONF='$dir/node$n/slurm.conf' slurmd -f '$dir/node$n/slurm.conf'"
+    start_slurmd "$n"
 done
 for _ in $(seq 30); do
     nodes_up && exit 0
