@@ -160,7 +160,7 @@ class DDPStrategy(Strategy):
                 exc, self.info, here, self.config.dist_timeout
             ) from None
         interface = environment is not None and environment.socket_interface is not None
-        preflight.check(self.store, self.info, here, interface)
+        preflight.check(self.store, self.info.rank, self.info.world_size, here, interface)
         dist.init_process_group(
             backend,
             store=self.store,

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dmltrain import launch, processes
-from dmltrain.errors import first_line
+from dmltrain import launch, preflight, processes
+from dmltrain.errors import UserError, first_line
 
 
 @dataclass
@@ -38,13 +38,12 @@ class Check:
 
 
 def _all_reduce(rank: int, world: int, backend: str, addr: str, port: int, device: str) -> float:
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://{addr}:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    """The sum over ranks of rank+1, after the checks across hosts (``dmltrain.preflight``)."""
+    timeout = datetime.timedelta(seconds=60)
+    store = dist.TCPStore(addr, port, world, is_master=rank == 0, timeout=timeout)
+    interface = launch.run_environment().socket_interface is not None
+    preflight.check(store, rank, world, launch.hostname(), interface)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     try:
         value = torch.tensor([float(rank + 1)], device=device)
         dist.all_reduce(value)
@@ -88,7 +87,7 @@ def all_reduce_check(backend: str, info: launch.DistInfo, required: bool) -> Che
         return Check(
             f"{backend} all-reduce",
             False,
-            f"{where}: {first_line(exc, 150)}",
+            f"{where}: {first_line(exc, None if isinstance(exc, UserError) else 150)}",
             "check the network between nodes (MASTER_ADDR reachable, firewall), "
             f"and {'NCCL_DEBUG=INFO' if backend == 'nccl' else 'GLOO_SOCKET_IFNAME'}",
             required,

@@ -195,15 +195,15 @@ def expand_hostlist(hostlist: str) -> list[str]:
     return hosts
 
 
-def _tasks_on_node(tasks_per_node: str, node: int) -> int:
-    """Slurm's ``2(x3),1`` form: how many tasks run on node number ``node``."""
+def _tasks_per_node(tasks_per_node: str) -> list[int]:
+    """Slurm's ``2(x3),1`` form: how many tasks run on each node."""
     counts: list[int] = []
     for part in tasks_per_node.split(","):
         match = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", part.strip())
         if match is None:
             raise UserError(f"cannot parse SLURM_TASKS_PER_NODE={tasks_per_node!r}")
         counts += [int(match.group(1))] * int(match.group(2) or 1)
-    return counts[min(node, len(counts) - 1)]
+    return counts
 
 
 def _port(env: Env, job: str | None) -> int:
@@ -290,6 +290,13 @@ def from_slurm(env: Env, require_step: bool = True) -> DistInfo | None:
     world = _int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS") or 1
     node = _int(env, "SLURM_NODEID") or 0
     per_node = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or str(world)
+    counts = _tasks_per_node(per_node)
+    if sum(counts) != world:  # the ranks would wait for ranks that never start (Lightning #20391)
+        raise UserError(
+            f"on {hostname()}: Slurm says {world} task(s) in all but {per_node} per node, "
+            f"{sum(counts)} in all: start the ranks with srun inside the allocation, and do "
+            "not set SLURM_NTASKS or the tasks per node by hand"
+        )
     nodes = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
     addr = env.get("MASTER_ADDR") or expand_hostlist(nodes)[0]
     return _info(
@@ -298,7 +305,7 @@ def from_slurm(env: Env, require_step: bool = True) -> DistInfo | None:
         _int(env, "SLURM_PROCID") or 0,
         world,
         _int(env, "SLURM_LOCALID") or 0,
-        _tasks_on_node(per_node, node),
+        counts[min(node, len(counts) - 1)],
         node,
         addr,
     )

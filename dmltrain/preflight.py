@@ -53,14 +53,14 @@ def _packages() -> dict[str, str | None]:
     return found
 
 
-def check(store: Any, info: DistInfo, here: str, interface_set: bool) -> None:
+def check(store: Any, rank: int, world_size: int, here: str, interface_set: bool) -> None:
     """Every rank posts its host, the address its name resolves to and its versions, reads
     everyone's, and raises the same UserError on every rank when something is wrong.
     ``interface_set``: GLOO_SOCKET_IFNAME chooses the address, so the name's does not
     matter."""
     mine = {"host": here, "address": _resolves_to(here), "versions": _packages()}
-    store.set(f"dmltrain/preflight/{info.rank}", json.dumps(mine))
-    keys = [f"dmltrain/preflight/{r}" for r in range(info.world_size)]
+    store.set(f"dmltrain/preflight/{rank}", json.dumps(mine))
+    keys = [f"dmltrain/preflight/{r}" for r in range(world_size)]
     ranks = [json.loads(store.get(key)) for key in keys]
     hosts = {r["host"]: r for r in ranks}
     if len(hosts) > 1 and not interface_set:

@@ -60,6 +60,18 @@ def test_uneven_slurm_layout():
     assert (info.world_size, info.local_world_size, info.node_rank) == (5, 1, 1)
 
 
+def test_slurm_tasks_that_do_not_add_up_are_one_line_naming_the_node():
+    """SLURM_NTASKS set by hand (or an srun that overrides the allocation): the ranks would
+    wait for ranks that never start."""
+    env = slurm_env(0, 0, 0, SLURM_STEP_NUM_TASKS="6")  # 4(x2) per node is 8
+    with pytest.raises(
+        UserError,
+        match=r"on \S+: Slurm says 6 task\(s\) in all but 4\(x2\) "
+        r"per node, 8 in all: start the ranks with srun",
+    ):
+        launch.detect(env=env)
+
+
 def test_two_jobs_on_one_node_get_different_ports():
     a = launch.detect(env=slurm_env(0, 0, 0, SLURM_JOB_ID="100"))
     b = launch.detect(env=slurm_env(0, 0, 0, SLURM_JOB_ID="101"))

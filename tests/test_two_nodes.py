@@ -190,24 +190,27 @@ LOST = [*TINY, "--checkpoint-every-steps", "4", "--step-sleep", "0.2", "--dist-t
 
 def start_on_nodes(
     args: list[str],
-    run: Path,
+    run: Path | None,
     names: tuple[str, str] = ("node1", "node2"),
     rank1: dict[str, str] | None = None,
 ) -> list[subprocess.Popen]:
     """``python -m dmltrain ARGS`` as rank 0 on node1 and rank 1 on node2 (the variables
     torchrun would set; the rendezvous at node1's address). ``names``: the hostnames they
-    run under; ``rank1``: what rank 1's environment has different."""  # fmt: skip
+    run under; ``rank1``: what rank 1's environment has different; ``run``: the run
+    directory (None: a command that takes none)."""  # fmt: skip
     port = free_port()  # free here; nothing else listens in node1's namespace
     procs = []
     for rank in (0, 1):
-        command = shlex.join([sys.executable, "-m", "dmltrain", *args, "--run-dir", str(run)])
+        where = [] if run is None else ["--run-dir", str(run)]
+        command = shlex.join([sys.executable, "-m", "dmltrain", *args, *where])
         env = cli_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0",
                       MASTER_ADDR="10.213.0.11", MASTER_PORT=str(port))  # fmt: skip
         env.update(rank1 or {} if rank == 1 else {})
         procs.append(subprocess.Popen(
             ["nsenter", f"--net=/run/netns/dmln{rank + 1}", "unshare", "--uts", "sh", "-c",
              f"hostname {names[rank]} && exec {command}"],
-            cwd=run.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            cwd=run.parent if run else None, env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True,
         ))  # fmt: skip
     return procs
 
@@ -358,10 +361,13 @@ def test_a_host_name_that_resolves_to_loopback_is_named(two_nodes, tmp_path):
         procs = start_on_nodes([*TINY, "--dist-timeout", "60"], tmp_path / "run",
                                names=("node1", "node2-loop"))  # fmt: skip
         lines = misconfigured(procs, 30)
+        doctor = ends(start_on_nodes(["doctor"], None, names=("node1", "node2-loop")), 60)
     finally:
         subprocess.run(["sed", "-i", "/^127.0.1.1 node2-loop /d", "/etc/hosts"], check=True)
     for line in lines:
         assert "the name of node2-loop (127.0.1.1) resolves to a loopback address" in line
+    gloo = next(line for line in doctor[0][1].splitlines() if "gloo all-reduce" in line)
+    assert "FAIL" in gloo and "node2-loop (127.0.1.1) resolves to a loopback address" in gloo
 
 
 def test_different_versions_on_the_nodes_are_named(two_nodes, tmp_path):
