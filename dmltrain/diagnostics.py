@@ -42,7 +42,8 @@ def this_rank(dist: DistInfo, environment: RunEnvironment) -> dict[str, Any]:
     }
 
 
-def _package(name: str) -> str | None:
+def package_version(name: str) -> str | None:
+    """The installed version of distribution ``name``, or None."""
     try:
         return importlib.metadata.version(name)
     except importlib.metadata.PackageNotFoundError:
@@ -71,10 +72,10 @@ def versions() -> dict[str, str | None]:
         "cuda": torch.version.cuda,
         "cudnn": None if cudnn is None else str(cudnn),
         "nccl": nccl,
-        "horovod": _package("horovod"),
+        "horovod": package_version("horovod"),
         "mpi": _first_line_of(["mpirun", "--version"]),
-        "dmltrain": _package("dmltrain"),
-        "wandb": _package("wandb"),
+        "dmltrain": package_version("dmltrain"),
+        "wandb": package_version("wandb"),
     }
 
 

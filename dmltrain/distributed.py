@@ -147,20 +147,13 @@ class DDPStrategy(Strategy):
         if self.info.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(self.info.device))
         timeout = datetime.timedelta(seconds=self.config.dist_timeout)
-        here = hostname()
-        # Made here rather than by init_method, to keep: the checks across hosts before the
-        # first collective, and the roll call after a failed one, go through it.
-        try:
-            self.store = dist.TCPStore(
-                self.info.master_addr, self.info.master_port, self.info.world_size,
-                is_master=self.info.rank == 0, timeout=timeout,
-            )  # fmt: skip
-        except RuntimeError as exc:  # DistStoreError and the transport's timeouts
-            raise preflight.rendezvous_failed(
-                exc, self.info, here, self.config.dist_timeout
-            ) from None
+        info = self.info
         interface = environment is not None and environment.socket_interface is not None
-        preflight.check(self.store, self.info.rank, self.info.world_size, here, interface)
+        # Kept, not made by init_method: the roll call after a failed collective uses it.
+        self.store = preflight.rendezvous(
+            info.rank, info.world_size, info.master_addr, info.master_port,
+            self.config.dist_timeout, interface,
+        )  # fmt: skip
         dist.init_process_group(
             backend,
             store=self.store,

@@ -39,10 +39,9 @@ class Check:
 
 def _all_reduce(rank: int, world: int, backend: str, addr: str, port: int, device: str) -> float:
     """The sum over ranks of rank+1, after the checks across hosts (``dmltrain.preflight``)."""
-    timeout = datetime.timedelta(seconds=60)
-    store = dist.TCPStore(addr, port, world, is_master=rank == 0, timeout=timeout)
     interface = launch.run_environment().socket_interface is not None
-    preflight.check(store, rank, world, launch.hostname(), interface)
+    store = preflight.rendezvous(rank, world, addr, port, 60, interface)
+    timeout = datetime.timedelta(seconds=60)
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     try:
         value = torch.tensor([float(rank + 1)], device=device)

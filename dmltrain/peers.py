@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
 
+import torch.distributed as dist
+
 from dmltrain.errors import UserError, first_line
 
 # What a collective's error says when another rank died, hangs or cannot be reached.
@@ -28,7 +30,7 @@ def means_lost(exc: BaseException) -> bool:
     if isinstance(exc, UserError):
         return False
     text = str(exc).lower()
-    return type(exc).__name__ == "DistError" or any(s in text for s in _LOST)
+    return isinstance(exc, dist.DistError) or any(s in text for s in _LOST)
 
 
 def roll_call(store: Any, rank: int, world_size: int, window: float) -> list[int] | None:

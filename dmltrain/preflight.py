@@ -10,28 +10,47 @@ and then fail with a backend's message is checked here, through the store:
 - hosts with different versions of torch, dmltrain or Horovod.
 """
 
-import importlib.metadata
+import datetime
 import json
 import socket
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from dmltrain.diagnostics import package_version
 from dmltrain.errors import UserError, first_line
-from dmltrain.launch import DistInfo
+from dmltrain.launch import hostname
 
 
-def rendezvous_failed(exc: BaseException, info: DistInfo, here: str, seconds: float) -> UserError:
+def rendezvous(
+    rank: int, world_size: int, addr: str, port: int, seconds: float, interface_set: bool
+) -> dist.TCPStore:
+    """Meet the other ranks at the TCPStore on ``addr:port`` (rank 0 holds it), then make
+    the checks across hosts (``check``); the store, for the process group and the roll call
+    after a failed collective (``dmltrain.peers``). Failures are one line naming the node."""
+    here = hostname()
+    try:
+        store = dist.TCPStore(addr, port, world_size, is_master=rank == 0,
+                              timeout=datetime.timedelta(seconds=seconds))  # fmt: skip
+    except RuntimeError as exc:  # DistStoreError and the transport's timeouts
+        raise _rendezvous_failed(exc, rank, f"{addr}:{port}", here, seconds) from None
+    check(store, rank, world_size, here, interface_set)
+    return store
+
+
+def _rendezvous_failed(
+    exc: BaseException, rank: int, where: str, here: str, seconds: float
+) -> UserError:
     """The one line for a TCPStore that could not be made (``exc``) on this rank."""
-    where = f"{info.master_addr}:{info.master_port}"
-    if info.rank == 0:
+    if rank == 0:
         return UserError(
             f"rank 0 on {here}: not every rank reached the rendezvous at {where} within "
             f"{seconds:g} s ({first_line(exc)}): the others cannot reach this address "
             "(MASTER_ADDR) or did not start"
         )
     return UserError(
-        f"rank {info.rank} on {here} cannot reach the rendezvous at {where} (MASTER_ADDR) "
+        f"rank {rank} on {here} cannot reach the rendezvous at {where} (MASTER_ADDR) "
         f"within {seconds:g} s: check that the nodes can reach each other at that address"
     )
 
@@ -44,13 +63,7 @@ def _resolves_to(name: str) -> str | None:
 
 
 def _packages() -> dict[str, str | None]:
-    found: dict[str, str | None] = {"torch": torch.__version__}
-    for name in ("dmltrain", "horovod"):
-        try:
-            found[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            found[name] = None
-    return found
+    return {"torch": torch.__version__, **{n: package_version(n) for n in ("dmltrain", "horovod")}}
 
 
 def check(store: Any, rank: int, world_size: int, here: str, interface_set: bool) -> None:
