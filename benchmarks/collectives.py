@@ -1,17 +1,25 @@
-"""The collectives dmltrain adds to training, timed at 2, 4 and 8 Gloo processes here.
+"""The collectives dmltrain adds to training: timed at a few Gloo processes here, and
+extrapolated to 64, 256 and 1,024 ranks with the algorithm's cost model.
 
-    python -m benchmarks.collectives [--ranks 2,4,8] [--reps 300]
+    python -m benchmarks.collectives            # 2, 4 and 8 processes, 300 repetitions
+    python -m benchmarks.collectives --quick    # 2 processes, 30 repetitions (smoke test)
 
-- ``agreement``: the preemption/checkpoint agreement (``Strategy.max_over_ranks``): an
-  all-reduce MAX of 3 int32, every ``--preempt-check-seconds`` of training;
+- ``agreement``: the preemption/checkpoint agreement (``preemption.agree`` through
+  ``Strategy.max_over_ranks``): an all-reduce MAX of 4 int32, about every
+  ``--preempt-check-seconds`` of training;
 - ``nan_check``: ``NanChecker.agree``: an all-reduce SUM of a world x 3 float table, every
   step with ``--check-nans``;
 - ``epoch_metrics``: the epoch's metric sums (``MetricAccumulator.compute``): an
   all-reduce SUM of 8 floats, once an epoch.
 
-Prints one JSON line: the median seconds of each, per process count. Loopback on a small
-machine, oversubscribed beyond its cores: the numbers are this machine's, the growth with
-the number of ranks is what a cost model is fitted to (benchmarks/findings.md).
+Each is the slowest rank's median. Then each process count trains for a few seconds of
+2 ms steps (sleeps, so the ranks do not compete for the cores, and a barrier for the
+gradients' all-reduce) with the real
+``preemption.agree`` at a 0.5 s interval, once with the interval fixed (the design before)
+and once scaled to the agreement's measured cost (now), and reports the share of the
+time spent in the agreement. Loopback on a small machine, oversubscribed beyond its
+cores: the numbers are this machine's; the model is the algorithm's (a ring all-reduce
+takes 2(N-1) latency steps), with 5-20 us a hop assumed for InfiniBand/Slingshot.
 """
 
 import argparse
@@ -24,18 +32,47 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from dmltrain import preemption
 from dmltrain.launch import free_port
+
+INTERVAL = 0.5  # --preempt-check-seconds' default
+HOPS_US = (5, 20)  # seconds a hop, assumed: InfiniBand / Slingshot small messages
+MODEL_RANKS = (64, 256, 1024)
+WARMUP = 50  # steps
 
 
 def _collectives(world: int) -> dict[str, tuple[torch.Tensor, dist.ReduceOp]]:
     return {
-        "agreement": (torch.zeros(3, dtype=torch.int32), dist.ReduceOp.MAX),
+        "agreement": (torch.zeros(4, dtype=torch.int32), dist.ReduceOp.MAX),
         "nan_check": (torch.zeros(world, 3), dist.ReduceOp.SUM),
         "epoch_metrics": (torch.zeros(8), dist.ReduceOp.SUM),
     }
 
 
-def _worker(rank: int, world: int, port: int, reps: int, out: dict) -> None:
+def _max_over_ranks(values: list[int]) -> list[int]:  # as DDPStrategy.max_over_ranks
+    tensor = torch.tensor(values, dtype=torch.int32)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return [int(v) for v in tensor.tolist()]
+
+
+def _schedule_share(share: float, seconds: float) -> float:
+    """Train ``seconds`` of 2 ms steps with the real agreement (after a warm-up); the
+    share of the time spent in it."""
+    schedule = preemption.AgreementSchedule(INTERVAL, share=share)
+    watcher = preemption.PreemptionWatcher([])
+    spent, start = 0.0, 0.0
+    for step in range(WARMUP + int(seconds / 0.002)):  # every rank the same boundaries
+        if step == WARMUP:  # the first two agreements learn the cost
+            spent, start = 0.0, time.perf_counter()
+        time.sleep(0.002)
+        dist.barrier()  # the gradients' all-reduce: the ranks leave each step together
+        began = time.perf_counter()
+        preemption.agree(schedule, watcher, _max_over_ranks, lambda: False)
+        spent += time.perf_counter() - began
+    return spent / (time.perf_counter() - start)
+
+
+def _worker(rank: int, world: int, port: int, reps: int, seconds: float, out: dict) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -51,7 +88,9 @@ def _worker(rank: int, world: int, port: int, reps: int, out: dict) -> None:
             if i >= 20:
                 times.append(time.perf_counter() - start)
         medians[name] = statistics.median(times)
-    # The slowest rank's median: a collective ends for all when it ends for the last.
+    medians["share fixed"] = _schedule_share(1.0, seconds)  # share 1: never spaced out
+    medians["share scaled"] = _schedule_share(0.01, seconds)
+    # The slowest rank's: a collective ends for all when it ends for the last.
     gathered: list = [None] * world
     dist.all_gather_object(gathered, medians)
     if rank == 0:
@@ -59,20 +98,79 @@ def _worker(rank: int, world: int, port: int, reps: int, out: dict) -> None:
     dist.destroy_process_group()
 
 
+def model(ranks: int, hop_us: float) -> dict[str, float]:
+    """A ring all-reduce of a few bytes: 2(N-1) hops. Its share of training at the fixed
+    interval, and at the interval ``AgreementSchedule`` scales to it."""
+    cost = 2 * (ranks - 1) * hop_us * 1e-6
+    scaled = preemption.AgreementSchedule(INTERVAL)
+    scaled.agreed(1, cost)
+    return {
+        "cost_ms": cost * 1e3,
+        "fixed_share": cost / INTERVAL,
+        "scaled_interval": scaled.interval(),
+        "scaled_share": cost / scaled.interval(),
+    }
+
+
+def markdown(measured: dict[int, dict[str, float]]) -> str:
+    worlds = sorted(measured)
+    lines = [
+        "collectives: Gloo on loopback, the slowest rank's median (ms); `share`: time in the "
+        f"agreement over {INTERVAL} s-interval training of 2 ms steps, fixed interval (before) "
+        "and scaled to the measured cost (now)",
+        "| collective | " + " | ".join(f"{w} processes" for w in worlds) + " |",
+        "|---|" + "---|" * len(worlds),
+    ]
+    for name in ("agreement", "nan_check", "epoch_metrics"):
+        row = " | ".join(f"{measured[w][name] * 1e3:.2f}" for w in worlds)
+        lines.append(f"| {name} | {row} |")
+    for name in ("share fixed", "share scaled"):
+        row = " | ".join(f"{measured[w][name]:.2%}" for w in worlds)
+        lines.append(f"| agreement {name} | {row} |")
+    lines += [
+        "",
+        "The agreement at scale, on paper (ring all-reduce, 2(N-1) hops; a hop 5 or 20 us): "
+        f"its share of training at the fixed {INTERVAL} s interval, and at the interval "
+        "`AgreementSchedule` scales to its measured cost (at most 10 s: a signal is acted on "
+        "within it)",
+        "| ranks | hop | agreement | share, fixed interval | scaled interval | share, scaled |",
+        "|---|---|---|---|---|---|",
+    ]
+    for ranks in MODEL_RANKS:
+        for hop in HOPS_US:
+            m = model(ranks, hop)
+            lines.append(
+                f"| {ranks:,} | {hop} us | {m['cost_ms']:.1f} ms | {m['fixed_share']:.2%} | "
+                f"{m['scaled_interval']:.2f} s | {m['scaled_share']:.2%} |"
+            )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", default="2,4,8")
-    parser.add_argument("--reps", type=int, default=300)
+    parser.add_argument("--quick", action="store_true", help="2 processes, 30 repetitions")
+    parser.add_argument("--ranks", help="comma-separated process counts (default 2,4,8)")
+    parser.add_argument("--reps", type=int)
     args = parser.parse_args(argv)
-    results: dict = {}
+    ranks = args.ranks or ("2" if args.quick else "2,4,8")
+    reps = args.reps or (30 if args.quick else 300)
+    seconds = 1.5 if args.quick else 6.0
+    measured: dict[int, dict[str, float]] = {}
     with mp.Manager() as manager:
         out = manager.dict()
-        for world in (int(n) for n in args.ranks.split(",")):
-            mp.start_processes(_worker, args=(world, free_port(), args.reps, out), nprocs=world,
-                               start_method="spawn")  # fmt: skip
-            results[world] = dict(out[world])
-    print(json.dumps(results))
-    return results
+        for world in (int(n) for n in ranks.split(",")):
+            mp.start_processes(_worker, args=(world, free_port(), reps, seconds, out),
+                               nprocs=world, start_method="spawn")  # fmt: skip
+            measured[world] = dict(out[world])
+    worst = model(MODEL_RANKS[-1], HOPS_US[-1])
+    report = {
+        "measured": measured,
+        "model_1024_ranks_20us": worst,
+        "markdown": markdown(measured),
+    }
+    print(report["markdown"])
+    print(json.dumps({k: v for k, v in report.items() if k != "markdown"}))
+    return report
 
 
 if __name__ == "__main__":

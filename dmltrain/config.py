@@ -219,7 +219,8 @@ class PreemptionConfig:
         metadata={
             "help": "how often the ranks agree on a signal or a --checkpoint-every-minutes "
             "save, in seconds of training (a small collective at a step boundary; 0: at "
-            "every step)"
+            "every step); longer, up to 10 s, where the collective would take over 1%% "
+            "of training (many ranks)"
         },
     )
     requeue: bool = field(

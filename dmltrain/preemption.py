@@ -5,7 +5,7 @@ from a handler can fail at random (it may interrupt a collective or a write). At
 boundary the loop puts ``local_request()`` into one small agreement across ranks
 (``Strategy.max_over_ranks``), so all ranks stop in the same step. ``AgreementSchedule``
 says at which boundaries: about every ``--preempt-check-seconds`` (0.5) of training, not
-at every step.
+at every step, and less often when the agreement itself would take more than 1% of it.
 
 Exit status 3 (``EXIT_REQUEUE``) means "a checkpoint was saved and there is more to do":
 ``slurm/run.sh`` turns it into a requeue. Under Slurm, rank 0 also runs
@@ -65,14 +65,37 @@ class AgreementSchedule:
     benchmarks/findings.md). So the ranks agree about every ``seconds`` of training: at an
     agreement each rank proposes how many steps that is by its own clock, and the smallest
     proposal, agreed in the same collective, is the count to the next one. Every rank
-    counts the same boundaries, so all stop at the same one. A signal is acted on within
-    about ``seconds`` of steps (schedulers give tens of seconds of grace)."""
+    counts the same boundaries, so all stop at the same one.
 
-    def __init__(self, seconds: float = 0.5, most_steps: int = 10_000) -> None:
+    The agreement's cost grows with the number of ranks (a ring all-reduce takes 2(N-1)
+    hops), so the interval grows with it: each agreement also carries the duration of the
+    rank's previous one, and the shortest over ranks (the last rank to arrive waits only
+    for the collective itself) is the cost. The interval is ``seconds``, or ``cost /
+    share`` when that is longer, so the agreements take at most ``share`` of training time,
+    up to ``most_seconds`` (a signal must still be acted on well within a scheduler's
+    grace, which is minutes for dmltrain's batch scripts). ``seconds=0`` agrees at every
+    step, whatever the cost."""
+
+    def __init__(
+        self,
+        seconds: float = 0.5,
+        most_steps: int = 10_000,
+        share: float = 0.01,
+        most_seconds: float = 10.0,
+    ) -> None:
         self.seconds, self.most_steps = seconds, most_steps
+        self.share, self.most_seconds = share, most_seconds
+        self.cost = 0.0  # the agreed cost of one agreement, in seconds
+        self.took = 0.0  # this rank's duration of its last agreement, in seconds
         self._every = 1  # boundaries from the last agreement to the next (the first: 1)
         self._left = 1  # boundaries until the next agreement
         self._since = time.monotonic()  # the last agreement (at first: the start)
+
+    def interval(self) -> float:
+        """The seconds of training from one agreement to the next."""
+        if self.seconds <= 0:
+            return 0.0
+        return min(max(self.seconds, self.cost / self.share), max(self.seconds, self.most_seconds))
 
     def due(self) -> bool:
         """Called at every step boundary, on every rank: whether to agree at this one."""
@@ -80,17 +103,19 @@ class AgreementSchedule:
         return self._left <= 0
 
     def proposal(self) -> int:
-        """This rank's number of steps that take about ``seconds`` (at least 1)."""
+        """This rank's number of steps that take about ``interval()`` (at least 1)."""
         now = time.monotonic()
         per_step = (now - self._since) / self._every
         self._since = now
         if per_step <= 0:
             return self.most_steps
-        return max(1, min(self.most_steps, int(self.seconds / per_step)))
+        return max(1, min(self.most_steps, int(self.interval() / per_step)))
 
-    def agreed(self, steps: int) -> None:
-        """The count all ranks agreed on: the next agreement is ``steps`` boundaries on."""
+    def agreed(self, steps: int, cost: float) -> None:
+        """What all ranks agreed on: the next agreement is ``steps`` boundaries on, and one
+        agreement costs ``cost`` seconds."""
         self._every = self._left = steps
+        self.cost = cost
 
 
 def agree(
@@ -105,8 +130,11 @@ def agree(
     if not schedule.due():
         return False, False
     request, wait = watcher.local_request(), schedule.proposal()
-    stop, save, smallest = max_over_ranks([request, save_due(), -wait])
-    schedule.agreed(-smallest)
+    took_us = min(int(schedule.took * 1e6), 2**31 - 1)  # the collective is of int32
+    began = time.perf_counter()
+    stop, save, smallest, shortest = max_over_ranks([request, save_due(), -wait, -took_us])
+    schedule.took = time.perf_counter() - began
+    schedule.agreed(-smallest, -shortest / 1e6)
     return bool(stop), bool(save)
 
 

@@ -22,6 +22,7 @@ from helpers import (
     signal_at_line,
 )
 
+from dmltrain import preemption
 from dmltrain.checkpoint import list_checkpoints, load_file
 from dmltrain.launch import free_port
 from dmltrain.preemption import AgreementSchedule, PreemptionWatcher
@@ -57,12 +58,60 @@ def test_the_agreement_comes_every_agreed_number_of_boundaries():
         if schedule.due():
             agreed_at.append(boundary)
             counts.append(schedule.proposal())
-            schedule.agreed(counts[-1])
+            schedule.agreed(counts[-1], 0.0)
     assert agreed_at[0] == 0
     assert all(1 <= n <= 5 for n in counts) and max(counts) > 1, counts
     assert [b - a for a, b in itertools.pairwise(agreed_at)] == counts[:-1]
     every = AgreementSchedule(seconds=0)
     assert all(every.due() and every.proposal() == 1 for _ in range(5))
+
+
+def test_an_agreement_that_costs_more_is_spaced_out_to_one_percent():
+    """The collective takes 4 ms (a ring across many ranks) and a step 1 ms. At a 10 ms
+    interval the agreements would take about a quarter of training; the schedule learns
+    their cost from the agreements themselves and spaces them to 4 ms / 1% = 0.4 s, and
+    a signal is still acted on at the next agreement. The cost is capped at 10 s of
+    interval, and --preempt-check-seconds 0 still agrees at every step."""
+
+    def run(share: float, seconds: float) -> tuple[int, float, float, bool]:
+        schedule = AgreementSchedule(seconds=0.01, share=share)
+        watcher = PreemptionWatcher([])
+        in_collective = 0.0
+
+        def slow_max(values: list[int]) -> list[int]:
+            nonlocal in_collective
+            began = time.perf_counter()
+            time.sleep(0.004)
+            in_collective += time.perf_counter() - began
+            return values
+
+        agreements, start, stopped = 0, time.perf_counter(), False
+        while time.perf_counter() - start < seconds:
+            time.sleep(0.001)
+            before = in_collective
+            stop, _ = preemption.agree(schedule, watcher, slow_max, lambda: False)
+            agreements += in_collective > before
+            if time.perf_counter() - start > seconds - 0.6:
+                watcher.requested = "SIGUSR1"  # in the last interval: acted on before the end
+            if stop:
+                stopped = True
+                break
+        share = in_collective / (time.perf_counter() - start)
+        return agreements, share, schedule.interval(), stopped
+
+    fixed_count, fixed_share, fixed_interval, _ = run(share=1.0, seconds=1.0)
+    count, share, interval, stopped = run(share=0.01, seconds=1.3)
+    assert fixed_interval == pytest.approx(0.01) and fixed_share > 0.15, (fixed_count, fixed_share)
+    assert 0.39 <= interval <= 0.6, interval
+    assert count <= 6 and share < 0.03, (count, share)  # two at the start, before the cost is known
+    assert stopped
+
+    capped = AgreementSchedule(seconds=0.5)
+    capped.agreed(1, 1.0)
+    assert capped.interval() == 10.0
+    every = AgreementSchedule(seconds=0)
+    every.agreed(1, 1.0)
+    assert every.interval() == 0.0 and every.due() and every.proposal() == 1
 
 
 @pytest.fixture(scope="module")
