@@ -13,6 +13,7 @@ Bad input exits with code 2 and one line on stderr.
 import argparse
 import dataclasses
 import gc
+import importlib
 import importlib.metadata
 import sys
 import types
@@ -25,7 +26,7 @@ from typing import Any, NoReturn
 import argparse_dataclass
 
 from dmltrain import processes
-from dmltrain.config import SECTIONS, TrainConfig, field_names, load_config_file
+from dmltrain.config import SECTIONS, TrainConfig, field_names, load_config_file, to_yaml
 from dmltrain.errors import EXIT_PEER_LOST, UserError, run_reporting_errors
 from dmltrain.trainer import BaseTrainer
 
@@ -133,7 +134,8 @@ def register_experiment(
     if config_cls is not None:
         if not dataclasses.is_dataclass(config_cls):
             raise TypeError(f"{config_cls!r} is not a dataclass")
-        clash = set(field_names(config_cls)) & (set(field_names(TrainConfig)) | {"config"})
+        reserved = set(field_names(TrainConfig)) | {"config", "print_config"}
+        clash = set(field_names(config_cls)) & reserved
         if clash:
             raise ValueError(f"options of {name!r} reuse built-in names: {sorted(clash)}")
     return Experiment(name, trainer_cls, config_cls, help)
@@ -159,6 +161,24 @@ def discover_experiments() -> dict[str, Experiment]:
                 file=sys.stderr,
             )
     return found
+
+
+def experiment_file(path: Path) -> Experiment:
+    """``dmltrain FILE.py ...``: the one experiment that ``FILE.py`` registers
+    (``register_experiment``). The file is imported as a module of its own name, with its
+    directory on ``sys.path``, so ``--nprocs`` workers and every rank import it the same way."""
+    if not path.is_file():
+        raise UserError(f"{path}: no such file (dmltrain FILE.py runs the experiment FILE.py "
+                        "registers)")  # fmt: skip
+    sys.path.insert(0, str(path.resolve().parent))
+    module = importlib.import_module(path.stem)
+    found = [value for value in vars(module).values() if isinstance(value, Experiment)]
+    if len(found) != 1:
+        raise UserError(
+            f"{path} registers {len(found)} experiments; dmltrain FILE.py needs exactly one "
+            "(EXPERIMENT = register_experiment(...) at the top level)"
+        )
+    return found[0]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -206,6 +226,11 @@ def _experiment_flags(experiment: Experiment) -> list[Any]:  # argparse.Argument
     config = argparse.ArgumentParser(add_help=False)
     config.add_argument(
         "--config", metavar="FILE", help="YAML or JSON file of option values; flags override it"
+    )
+    config.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved options (as config.yaml holds them) and exit",
     )
     flags = [config] + [_Flags(cls, title) for _, title, cls in SECTIONS]
     if experiment.config_cls is not None:
@@ -259,9 +284,23 @@ def parse(
     return experiment, config, options
 
 
+def _print_config_asked(argv: Sequence[str]) -> bool:
+    probe = argparse.ArgumentParser(add_help=False)
+    probe.add_argument("--print-config", action="store_true")
+    return bool(probe.parse_known_args(argv)[0].print_config)
+
+
 def main(argv: Sequence[str] | None = None, experiments: Sequence[Experiment] = ()) -> int:
     """Entry point of the ``dmltrain`` command; returns the process exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0].endswith(".py"):  # dmltrain FILE.py: the experiment it registers
+        try:
+            from_file = experiment_file(Path(argv[0]))
+        except UserError as exc:
+            print(f"dmltrain: error: {exc}", file=sys.stderr)
+            return 2
+        experiments = [*experiments, from_file]
+        argv = [from_file.name, *argv[1:]]
     known = discover_experiments()
     known.update({experiment.name: experiment for experiment in experiments})
     if argv and argv[0] in TOOLS:
@@ -276,6 +315,9 @@ def main(argv: Sequence[str] | None = None, experiments: Sequence[Experiment] = 
         return status or (codes[0] if codes else 0)
     try:
         experiment, config, options = parse(argv, known)
+        if _print_config_asked(argv):
+            print(to_yaml(config, options, f"{experiment.name} options"), end="")
+            return 0
         trainer = experiment.trainer_cls(config, options)
     except UserError as exc:
         print(f"dmltrain: error: {exc}", file=sys.stderr)

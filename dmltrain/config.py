@@ -64,7 +64,10 @@ class LoopConfig:
     log_every: int = field(default=50, metadata={"help": "report training metrics every N steps"})
     progress: Literal["auto", "bar", "log", "off"] = field(
         default="auto",
-        metadata={"help": "progress display: a bar on a terminal, log lines otherwise (auto)"},
+        metadata={
+            "help": "progress display: a bar on a terminal, a widget in a notebook, log "
+            "lines otherwise (auto)"
+        },
     )
 
     def __post_init__(self) -> None:

@@ -12,6 +12,7 @@ SECRET or CREDENTIAL in them redacted by ``dmltrain.launch``).
 import importlib.metadata
 import inspect
 import json
+import math
 import platform
 import shutil
 import subprocess
@@ -135,8 +136,46 @@ def collect(
     }
 
 
+def training(
+    model: Any, train: Any, val: Any, loop: Any, world_size: int, precision: str
+) -> dict[str, Any]:
+    """What the run trains: the model's parameters (all of them, sharded or not), the
+    datasets' sizes (``train``, ``val``: the data loaders), the steps of an epoch and the
+    global batch (``loop``: the config's loop section)."""
+    params = list(model.parameters())
+    return {
+        "model": type(model).__name__,
+        "parameters": sum(p.numel() for p in params),
+        "trainable": sum(p.numel() for p in params if p.requires_grad),
+        "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
+        "train_samples": len(train.dataset),
+        "val_samples": None if val is None else len(val.dataset),
+        "steps_per_epoch": math.ceil(len(train) / loop.grad_accum),
+        "batch_size": loop.batch_size,
+        "grad_accum": loop.grad_accum,
+        "global_batch": loop.batch_size * loop.grad_accum * world_size,
+        "precision": precision,
+    }
+
+
+def _count(n: float) -> str:
+    for unit in ("", "K", "M", "B"):
+        if abs(n) < 1000 or unit == "B":
+            return f"{n:.3g}{unit}" if unit else str(int(n))
+        n /= 1000
+    return str(n)
+
+
+def _bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.3g} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
 def summary(info: dict[str, Any], path: Path) -> str:
-    """The compact block printed at start."""
+    """The compact block printed at start (the full config is in config.yaml)."""
     hosts: dict[str, list[str]] = {}
     for rank in info["ranks"]:
         hosts.setdefault(rank["host"], []).append(rank["device"])
@@ -159,16 +198,30 @@ def summary(info: dict[str, Any], path: Path) -> str:
         if v[key]
     )
     code = info["code"]
-    state = "not in git" if code["commit"] is None else code["commit"][:12]
+    state = "(not in git)" if code["commit"] is None else f"at {code['commit'][:12]}"
     if code["dirty"]:
         state += " (uncommitted changes)"
+    lines = []
+    t = info.get("training")
+    if t:
+        val = "no" if t["val_samples"] is None else f"{t['val_samples']:,}"
+        accum = f" x {t['grad_accum']} accumulated" if t["grad_accum"] > 1 else ""
+        lines += [
+            f"dmltrain: model {t['model']}: {_count(t['trainable'])} trainable of "
+            f"{_count(t['parameters'])} parameters ({_bytes(t['parameter_bytes'])}), "
+            f"precision {t['precision']}",
+            f"dmltrain: data {t['train_samples']:,} training and {val} validation samples; "
+            f"{t['steps_per_epoch']:,} steps an epoch of global batch {t['global_batch']:,} "
+            f"({info['world_size']} process(es) x {t['batch_size']}{accum})",
+        ]
     return "\n".join(
         [
+            *lines,
             f"dmltrain: {info['world_size']} process(es), launcher {info['launcher']}, "
             f"strategy {info['strategy']}, backend {info['backend']}",
             f"dmltrain: {where}",
             f"dmltrain: {shown}",
-            f"dmltrain: code {code['path']} at {state}; details in {path}",
+            f"dmltrain: code {code['path']} {state}; details in {path}",
         ]
     )
 

@@ -17,7 +17,15 @@ def first_line(exc: BaseException, limit: int | None = 200) -> str:
     return line if limit is None else line[:limit]
 
 
-class UserError(Exception):
+class OneLine(Exception):
+    """An outcome dmltrain explains in its message: IPython (a notebook cell) shows that
+    one line instead of a traceback, as the ``dmltrain`` command does."""
+
+    def _render_traceback_(self) -> list[str]:  # IPython's hook for custom tracebacks
+        return [f"dmltrain: {self}"]
+
+
+class UserError(OneLine):
     """Bad input (flag, config file, data, checkpoint, environment) with a fix in its message."""
 
 
@@ -30,19 +38,19 @@ EXIT_NONFINITE = 4  # stopped on a NaN/Inf (--check-nans --on-nan raise); checkp
 EXIT_PEER_LOST = 5  # another rank or host was lost; the checkpoints are intact: resume
 
 
-class StopForRequeue(Exception):
+class StopForRequeue(OneLine):
     """A checkpoint was saved and the run must continue in a later job (exit status 3)."""
 
 
-class NonFiniteError(Exception):
+class NonFiniteError(OneLine):
     """A NaN/Inf was found and ``--on-nan raise`` stops every rank (exit status 4)."""
 
 
-class PeerLost(Exception):
+class PeerLost(OneLine):
     """A collective failed because another rank died or stopped answering."""
 
 
-class RankFailed(Exception):
+class RankFailed(OneLine):
     """A worker process failed; the others were stopped. ``exit_code`` is the worker's."""
 
     def __init__(self, message: str, exit_code: int) -> None:

@@ -7,8 +7,11 @@ business; this module only starts the workers of ``--nprocs`` and ends ranks' pr
 
 import atexit
 import contextlib
+import multiprocessing.connection
 import os
+import signal
 import sys
+import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -16,14 +19,24 @@ from dmltrain.errors import (
     EXIT_REQUEUE,
     RankFailed,
     StopForRequeue,
+    UserError,
     run_reporting_errors,
 )
 from dmltrain.launch import DistInfo, spawned
 from dmltrain.preemption import PreemptionWatcher
 
+REQUEUE_GRACE_SECONDS = 60.0  # for the other workers to leave once one left to be requeued
 
-def spawn(nprocs: int, fn: Callable[..., None], args: tuple, forward: list[str]) -> None:
-    """Run ``fn(local_rank, *args)`` in ``nprocs`` fresh processes and wait for all.
+
+def spawn(
+    nprocs: int,
+    fn: Callable[..., None],
+    args: tuple,
+    forward: list[str],
+    start_method: str = "spawn",
+) -> None:
+    """Run ``fn(local_rank, *args)`` in ``nprocs`` processes (fresh ones, or forks of this
+    one: ``start_method``) and wait for all.
 
     When one fails, torch.multiprocessing stops the others; the failure is re-raised as
     ``RankFailed`` naming the rank that failed first. While waiting, the signals named in
@@ -35,16 +48,34 @@ def spawn(nprocs: int, fn: Callable[..., None], args: tuple, forward: list[str])
 
     watcher = PreemptionWatcher(forward)
     try:
-        context = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="spawn")
+        context = mp.start_processes(
+            fn, args=args, nprocs=nprocs, join=False, start_method=start_method
+        )
         assert context is not None
         held: list[tuple[Any, int]] = []  # (worker, signal) not passed on yet
-        while not context.join(timeout=0.2):
+        requeued_at = None  # when the first worker left to be requeued (exit status 3)
+        while True:
+            workers = context.processes
+            running = [w.sentinel for w in workers if w.exitcode is None]
+            multiprocessing.connection.wait(running, timeout=0.2)
+            codes = [w.exitcode for w in workers]
+            if None not in codes or set(codes) - {None, 0, EXIT_REQUEUE}:
+                break  # all ended, or one failed
+            # A requeue is not a failure: the others stop at the same step boundary (they
+            # agreed to) and leave by themselves; stopping them would print a warning each.
+            if EXIT_REQUEUE in codes:
+                requeued_at = requeued_at or time.monotonic()
+                if time.monotonic() - requeued_at > REQUEUE_GRACE_SECONDS:
+                    break
             received = watcher.take_received()
-            held += [(process, signum) for signum in received for process in context.processes]
+            held += [(process, signum) for signum in received for process in workers]
             held = [(process, signum) for process, signum in held if not _pass_on(process, signum)]
+        context.join()  # raises for the first that failed, and stops the others
     except mp.ProcessExitedException as exc:
         if exc.exit_code == EXIT_REQUEUE:  # a checkpoint was saved; the run goes on later
-            raise StopForRequeue(f"checkpoint saved; exit status {EXIT_REQUEUE}") from None
+            raise StopForRequeue(
+                f"checkpoint saved; run the same again to resume (exit status {EXIT_REQUEUE})"
+            ) from None
         how = f"killed by {exc.signal_name}" if exc.signal_name else f"exit code {exc.exit_code}"
         raise RankFailed(
             f"rank {exc.error_index} failed first ({how}); the other ranks were stopped",
@@ -57,13 +88,59 @@ def spawn(nprocs: int, fn: Callable[..., None], args: tuple, forward: list[str])
 
 
 def spawn_fits(trainer_cls: type, name: str, config: Any, options: Any, parent: DistInfo) -> None:
-    """``--nprocs N``: ``trainer_cls(config, options).fit()`` in N workers (``spawn``)."""
+    """``--nprocs N``: ``trainer_cls(config, options).fit()`` in N workers (``spawn``):
+    fresh interpreters where they can import ``trainer_cls``, forks of this process where
+    they cannot (``start_method_for``)."""
     signals = config.preemption.signal_names()
-    spawn(parent.world_size, _fit, (trainer_cls, name, config, options, parent), signals)
+    method = start_method_for(trainer_cls)
+    spawn(parent.world_size, _fit, (trainer_cls, name, config, options, parent, signals),
+          signals, method)  # fmt: skip
+
+
+def start_method_for(trainer_cls: type) -> str:
+    """How to start workers that run ``trainer_cls``.
+
+    A fresh interpreter ("spawn") finds the class by importing its module again. Where
+    that cannot work, the workers are forks of this process, which has the class already:
+    a class defined in a notebook or in ``python -`` / ``python -c`` (a ``__main__``
+    without a file), or inside a function. Fork carries no CUDA context into a child, so
+    a process that has one gets one line saying what to do instead.
+    """
+    module = sys.modules.get(trainer_cls.__module__)
+    from_file = module is not None and (
+        trainer_cls.__module__ != "__main__"
+        or getattr(module, "__spec__", None) is not None  # python -m
+        or os.path.isfile(getattr(module, "__file__", None) or "")
+    )
+    if from_file and "<locals>" not in trainer_cls.__qualname__:
+        return "spawn"
+    where = f"{trainer_cls.__qualname__} is defined where a new process cannot import it"
+    if "fork" not in mp_start_methods():
+        raise UserError(f"{where}, and this platform cannot fork: move the class into a .py "
+                        "file and import it from there")  # fmt: skip
+    import torch
+
+    if torch.cuda.is_initialized():
+        raise UserError(
+            f"{where} (a notebook), so its workers are forks of this process, and CUDA was "
+            "already used here: restart the kernel and call fit() before any CUDA call, "
+            "or move the class into a .py file and import it from there"
+        )
+    return "fork"
+
+
+def mp_start_methods() -> list[str]:
+    return multiprocessing.get_all_start_methods()
 
 
 def _fit(local_rank: int, trainer_cls: type, name: str, config: Any, options: Any,
-         parent: DistInfo) -> None:  # fmt: skip
+         parent: DistInfo, signals: list[str]) -> None:  # fmt: skip
+    # A fork holds the parent's signal handlers and exit handlers. Its preemption signals
+    # are ignored until the trainer catches them (the parent passes them on then: _pass_on),
+    # and the parent's exit handlers (a notebook kernel's) are not this process's to run.
+    for signal_name in signals:
+        signal.signal(signal.Signals[signal_name], signal.SIG_IGN)
+    atexit._clear()  # private, as atexit._run_exitfuncs in leave()
     trainer = trainer_cls(config, options, dist=spawned(parent, local_rank))
     trainer.name = name
     exit_on_error(trainer.fit, trainer.dist.rank, trainer.dist.world_size)

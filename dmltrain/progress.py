@@ -1,9 +1,12 @@
-"""What a person watching the run sees: a tqdm bar on a terminal, log lines in batch jobs.
+"""What a person watching the run sees: a tqdm bar on a terminal, tqdm's widget in a
+notebook (where ipywidgets is installed), log lines in batch jobs and elsewhere.
 
 Only the main rank prints. Step metrics are read (one device sync) every ``log_every``
 steps, never in between.
 """
 
+import importlib
+import importlib.util
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -18,6 +21,21 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def in_notebook() -> bool:
+    """Whether this process runs in a Jupyter kernel (IPython's kernel shell). Forks of
+    the kernel (``--nprocs`` workers started there) inherit its shell, so the kernel
+    decides for them (``for_workers``)."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None else None
+    return type(shell).__name__ == "ZMQInteractiveShell"
+
+
+def for_workers(mode: str) -> str:
+    """The display mode for ``--nprocs`` workers started from this process: in a notebook,
+    log lines (a widget needs the kernel itself; a worker's lines reach the cell)."""
+    return "log" if mode == "auto" and in_notebook() else mode
+
+
 class Progress:
     def __init__(
         self,
@@ -29,7 +47,9 @@ class Progress:
     ):
         self.stream = stream or sys.stdout
         self.world_size = world_size  # samples/s are counted on this rank, times this
-        if mode == "auto":
+        if mode == "auto" and in_notebook():
+            mode = "notebook" if importlib.util.find_spec("ipywidgets") else "log"
+        elif mode == "auto":
             mode = "bar" if sys.stderr.isatty() else "log"
         self.mode = mode if enabled else "off"
         self.enabled = enabled
@@ -45,8 +65,11 @@ class Progress:
     def epoch(self, batches: Iterable[Any], epoch: int, epochs: int, total: int) -> Iterator[Any]:
         self._epoch, self._epochs, self._total = epoch, epochs, total
         self._last_time, self._last_samples = time.perf_counter(), 0
-        if self.mode == "bar":
-            self._bar = tqdm(batches, total=total, desc=f"epoch {epoch}/{epochs}", leave=False)
+        if self.mode in ("bar", "notebook"):
+            bar: Any = tqdm
+            if self.mode == "notebook":
+                bar = importlib.import_module("tqdm.notebook").tqdm
+            self._bar = bar(batches, total=total, desc=f"epoch {epoch}/{epochs}", leave=False)
             yield from self._bar
             self._bar.close()
             self._bar = None

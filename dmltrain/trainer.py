@@ -18,7 +18,17 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from dmltrain import data, diagnostics, launch, preemption, processes, rng, rundir, threads
+from dmltrain import (
+    data,
+    diagnostics,
+    launch,
+    preemption,
+    processes,
+    progress,
+    rng,
+    rundir,
+    threads,
+)
 from dmltrain.batches import batch_size_of, chunks, to_device
 from dmltrain.checkpointer import Checkpointer, Saved
 from dmltrain.config import TrainConfig, as_plain, to_yaml
@@ -43,7 +53,14 @@ class BaseTrainer(TrainerHooks):
     ``options`` is the experiment's own dataclass of settings (or None).
     """
 
-    name = "experiment"  # run directories default to runs/<name>-<job id or time>
+    # Run directories default to runs/<name>-<job id or time>; the CLI sets the registered
+    # name, and a class that sets none is named after itself (e.g. one from a notebook).
+    name = "experiment"
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.name == "experiment":
+            cls.name = cls.__name__.lower()
 
     # Set by setup(), before the first epoch.
     model: nn.Module
@@ -351,10 +368,17 @@ class BaseTrainer(TrainerHooks):
         deadline = None
         if self.dist.is_main:
             text = to_yaml(self.config, self.options, f"{self.name} options")
-            self.progress.info(f"dmltrain: {self.name} -> {self.run_dir}\n{text.rstrip()}")
+            self.progress.info(
+                f"dmltrain: {self.name} -> {self.run_dir} (options: config.yaml there; "
+                "--print-config prints them)"
+            )
             strategy = self.strategy
             info = diagnostics.collect(self.ranks, self.dist, strategy.name, strategy.backend(),
                                        type(self), plain, self.environment)  # fmt: skip
+            info["training"] = diagnostics.training(
+                unwrap(self.model), self.train_loader, self.val_loader, self.config.loop,
+                self.dist.world_size, self.config.numerics.precision,
+            )  # fmt: skip
             self.progress.info(rundir.write_records(self.run_dir, text, info))
             self.tracker = create_tracker(
                 self.config.tracking, self.environment.wandb_mode, self.run_dir,
@@ -369,6 +393,8 @@ class BaseTrainer(TrainerHooks):
         """``--nprocs N``: start N workers here and wait (``processes.spawn_fits``)."""
         run_dir = Path(self.config.run_dir or rundir.default_path(self.name, self.dist.job_id))
         rundir.check(run_dir)
-        config = self.config.replace(run_dir=str(run_dir))
+        config = self.config.replace(
+            run_dir=str(run_dir), progress=progress.for_workers(self.config.loop.progress)
+        )
         processes.spawn_fits(type(self), self.name, config, self.options, self.dist)
         return read_training_log(run_dir / "training_log.csv")

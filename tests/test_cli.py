@@ -135,20 +135,49 @@ def test_help_groups_flags_by_section_and_says_what_each_flag_does():
     assert "--download, --no-download download MNIST when it is missing" in flat
 
 
-def test_resolved_config_is_written_and_printed(tmp_path):
+def test_resolved_config_is_written_and_print_config_prints_it(tmp_path):
+    """The run opens with a compact summary, not the 60-line config: the config is in
+    config.yaml, and --print-config prints the same text and exits without training."""
     path = tmp_path / "c.json"
     path.write_text('{"epochs": 1, "batch-size": 8}')
     run = tmp_path / "run"
-    done = run_cli(
-        "tiny", "--config", str(path), "--seed", "7", "--run-dir", str(run), cwd=tmp_path
-    )
+    args = ["tiny", "--config", str(path), "--seed", "7", "--run-dir", str(run)]
+    done = run_cli(*args, "--progress", "log", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     written = (run / "config.yaml").read_text()
     for line in ("epochs: 1", "batch_size: 8", "seed: 7", f"run_dir: {run}", "samples: 96"):
-        assert line in written and line in done.stdout
+        assert line in written and line not in done.stdout
+    summary = done.stdout.split("epoch 1/1", 1)[0]
+    assert f"tiny -> {run} (options: config.yaml there" in summary
+    assert "model Sequential: 49 trainable of 49 parameters (196 B), precision fp32" in summary
+    assert "data 96 training and 32 validation samples; 12 steps an epoch of global batch 8 " \
+        "(1 process(es) x 8)" in summary  # fmt: skip
+    assert len(summary.splitlines()) <= 8, summary
     # The written file is itself a valid --config.
     again = parse(["tiny", "--config", str(run / "config.yaml")], {"tiny": TINY})
     assert again[1].seed == 7 and again[1].run_dir == str(run)
+    log = (run / "training_log.csv").read_text()
+    printed = run_cli(*args, "--progress", "log", "--print-config", "--epochs", "2", cwd=tmp_path)
+    assert printed.returncode == 0, printed.stderr
+    assert printed.stdout == written.replace("epochs: 1", "epochs: 2")
+    assert (run / "training_log.csv").read_text() == log  # printing trained nothing more
+
+
+def test_a_file_that_registers_no_experiment_or_two_is_one_line(tmp_path):
+    (tmp_path / "none.py").write_text("x = 1\n")
+    (tmp_path / "two.py").write_text(
+        "from tiny import EXPERIMENT as A\nfrom dmltrain import register_experiment\n"
+        "B = register_experiment('b', A.trainer_cls)\n"
+    )
+    for name, message in (
+        ("missing.py", "missing.py: no such file (dmltrain FILE.py runs the experiment"),
+        ("none.py", "none.py registers 0 experiments; dmltrain FILE.py needs exactly one"),
+        ("two.py", "two.py registers 2 experiments; dmltrain FILE.py needs exactly one"),
+    ):
+        done = run_cli(name, "--epochs", "1", cwd=tmp_path)
+        assert done.returncode == 2 and done.stderr == f"dmltrain: error: {message}" + \
+            done.stderr.split(message, 1)[1], done.stderr  # fmt: skip
+        assert len(done.stderr.strip().splitlines()) == 1
 
 
 BAD_INPUT = [

@@ -54,6 +54,14 @@ def test_example_runs_from_the_command_line(tmp_path):
     assert done.returncode == 0, done.stderr
     rows = read_training_log(run / "training_log.csv")
     assert len(rows) == 20 and rows[-1]["val_loss"] < 0.02
+    # dmltrain FILE.py runs the experiment the file registers, on 2 processes too
+    done = subprocess.run(
+        ["dmltrain", "my_experiment.py", "--epochs", "20", "--lr", "0.1", "--batch-size", "16",
+         "--nprocs", "2", "--run-dir", str(tmp_path / "two"), "--noise", "0.1"],
+        cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert read_training_log(tmp_path / "two" / "training_log.csv")[-1]["val_loss"] < 0.02
 
 
 def test_example_runs_from_a_notebook(tmp_path, monkeypatch):
