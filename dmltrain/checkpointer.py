@@ -30,8 +30,10 @@ from dmltrain.checkpoint import (
     sharded_shapes,
 )
 from dmltrain.config import CheckpointConfig
+from dmltrain.data import sample_seed
 from dmltrain.distributed import Strategy, unwrap
 from dmltrain.errors import UserError
+from dmltrain.metrics import merge_states
 from dmltrain.model_state import (
     check_model_fits,
     load_optimizer_state_by_name,
@@ -39,8 +41,13 @@ from dmltrain.model_state import (
     shapes_of,
 )
 from dmltrain.precision import Precision
-from dmltrain.rng import rng_state, set_rng_state
+from dmltrain.rng import rng_state, seed_everything, set_rng_state
 from dmltrain.state import TrainState
+
+
+def _global_batch(train: dict[str, Any], world_size: int) -> int:
+    """Samples per optimizer step over all processes, from a config's "train" dict."""
+    return int(train["batch_size"]) * int(train.get("grad_accum", 1)) * world_size
 
 
 def _dcp() -> Any:
@@ -217,6 +224,7 @@ class Checkpointer:
                 f"dmltrain: resuming from {choice} (epoch {s.epoch + 1}, "
                 f"{s.step_in_epoch} steps into it, global step {s.global_step})"
             )
+            self._resized(state)
         elif load_weights:
             path = Path(load_weights)
             self._load(
@@ -250,18 +258,29 @@ class Checkpointer:
         return None if found is None else str(found[0])
 
     def _check_resumable(self, state: dict[str, Any], path: Path) -> None:
-        """Batch size, seed and world size fix the data order: they must match. Other
-        changed settings are listed in a warning."""
+        """The seed fixes the data order, and the global batch (processes x batch size x
+        accumulation) the optimisation: a resume keeps both, at any number of processes.
+        Other changed settings are listed in a warning."""
         saved, now = state["config"], self.run_config
-        before = {**saved["train"], "world size": state["world_size"]}
-        current = {**now["train"], "world size": self.dist.world_size}
-        for key in ("batch_size", "seed", "world size", "grad_accum"):
-            if key in before and before.get(key) != current.get(key):
-                raise UserError(
-                    f"cannot resume from {path}: {key} is {current.get(key)!r} now but was "
-                    f"{before.get(key)!r}; use the same value, or start a new run "
-                    "(--resume never with a new --run-dir)"
-                )
+        if saved["train"].get("seed") != now["train"].get("seed"):
+            raise UserError(
+                f"cannot resume from {path}: seed is {now['train'].get('seed')!r} now but was "
+                f"{saved['train'].get('seed')!r}; use the same value, or start a new run "
+                "(--resume never with a new --run-dir)"
+            )
+        old, new = _global_batch(saved["train"], state["world_size"]), self._global_batch()
+        if old != new and not self.config.allow_global_batch_change:
+            w, a = self.dist.world_size, now["train"].get("grad_accum", 1)
+            keep = f"--global-batch-size {old}"
+            if old % (w * a) == 0:
+                keep += f" (or --batch-size {old // (w * a)})"
+            raise UserError(
+                f"cannot resume from {path}: the global batch would be {new} ({w} process(es) "
+                f"x --batch-size {now['train']['batch_size']} x --grad-accum {a}) but was "
+                f"{old} ({state['world_size']} x {saved['train']['batch_size']} x "
+                f"{saved['train'].get('grad_accum', 1)}); keep it with {keep}, or change it "
+                "with --allow-global-batch-change"
+            )
         changed = [
             f"{k}: {saved['options'].get(k)!r} -> {v!r}"
             for k, v in now["options"].items()
@@ -269,6 +288,38 @@ class Checkpointer:
         ]
         if changed and self.dist.is_main:
             self.warn(f"resuming {path} with changed options: {', '.join(changed)}")
+
+    def _global_batch(self) -> int:
+        return _global_batch(self.run_config["train"], self.dist.world_size)
+
+    def _resized(self, state: dict[str, Any]) -> None:
+        """After a resume at another number of processes or global batch: the position in
+        the epoch, kept in samples (rounded down to a whole new batch when the global batch
+        changed), and the change recorded in the run's state."""
+        s, world = self.saved.state, self.dist.world_size
+        old, new = (
+            _global_batch(state["config"]["train"], state["world_size"]),
+            self._global_batch(),
+        )
+        if (state["world_size"], old) == (world, new):
+            return
+        samples = s.step_in_epoch * old
+        s.step_in_epoch = samples // new
+        s.world_size_changes.append({
+            "epoch": s.epoch + 1, "step": s.step_in_epoch, "global_step": s.global_step,
+            "world_size": [state["world_size"], world], "global_batch": [old, new],
+        })  # fmt: skip
+        said = (
+            f"dmltrain: resuming on {world} process(es) instead of {state['world_size']}, "
+            f"global batch {new}"
+        )
+        if old != new:
+            self.warn(
+                f"the global batch changes from {old} to {new} (--allow-global-batch-change): "
+                f"{samples} samples into epoch {s.epoch + 1}, the run goes on from sample "
+                f"{s.step_in_epoch * new}, a whole batch of {new}"
+            )
+        self.say(said + (" (kept)" if old == new else ""))
 
     def _load(
         self,
@@ -321,7 +372,13 @@ class Checkpointer:
         if scaler:
             saved.precision.load_state_dict(state.get("scaler"))
         if counters:
-            rank = self.dist.rank
-            saved.state.load_state_dict(state, state["epoch_metrics"][rank])
-            if "rng" in state and len(state["rng"]) == self.dist.world_size:
-                set_rng_state(state["rng"][rank])
+            rank, world = self.dist.rank, self.dist.world_size
+            if state["world_size"] == world:
+                saved.state.load_state_dict(state, state["epoch_metrics"][rank])
+                if "rng" in state:
+                    set_rng_state(state["rng"][rank])
+            else:  # the partial epoch's sums go to rank 0; every rank's generators anew
+                merged = merge_states(state["epoch_metrics"]) if rank == 0 else None
+                saved.state.load_state_dict(state, merged)
+                seed = state["config"]["train"]["seed"]
+                seed_everything(sample_seed(seed, state["global_step"], rank) >> 1)

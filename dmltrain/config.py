@@ -38,6 +38,13 @@ class LoopConfig:
         default=64,
         metadata={"help": "batch size per process (global batch = batch size x world size)"},
     )
+    global_batch_size: int | None = field(
+        default=None,
+        metadata={
+            "help": "samples per optimizer step over all processes; sets --batch-size to "
+            "G / (processes x --grad-accum), so one command line works at any scale"
+        },
+    )
     grad_accum: int = field(
         default=1, metadata={"help": "accumulate gradients of N batches per optimizer step"}
     )
@@ -74,11 +81,30 @@ class LoopConfig:
         check(self.epochs >= 1, f"--epochs must be at least 1 (got {self.epochs})")
         check(self.batch_size >= 1, f"--batch-size must be at least 1 (got {self.batch_size})")
         check(self.grad_accum >= 1, f"--grad-accum must be at least 1 (got {self.grad_accum})")
+        check(
+            self.global_batch_size is None or self.global_batch_size >= 1,
+            f"--global-batch-size must be at least 1 (got {self.global_batch_size})",
+        )
         check(self.grad_clip >= 0, f"--grad-clip must be >= 0 (got {self.grad_clip})")
         check(self.lr > 0, f"--lr must be positive (got {self.lr})")
         check(self.weight_decay >= 0, f"--weight-decay must be >= 0 (got {self.weight_decay})")
         check(self.log_every >= 1, f"--log-every must be at least 1 (got {self.log_every})")
         check(self.run_dir != "", "--run-dir must not be empty")
+
+
+def per_process_batch(loop: LoopConfig, world_size: int) -> int:
+    """``--batch-size``, or ``--global-batch-size`` shared among the processes and the
+    accumulated micro-batches (then it overrides ``--batch-size``)."""
+    total = loop.global_batch_size
+    if total is None:
+        return loop.batch_size
+    share = world_size * loop.grad_accum
+    check(
+        total % share == 0,
+        f"--global-batch-size {total} does not divide into {world_size} process(es) x "
+        f"--grad-accum {loop.grad_accum}: choose a multiple of {share}",
+    )
+    return total // share
 
 
 @dataclass(frozen=True)
@@ -145,6 +171,13 @@ class CheckpointConfig:
         metadata={
             "help": "auto: continue the run directory's latest checkpoint if any; "
             "never; or a checkpoint PATH"
+        },
+    )
+    allow_global_batch_change: bool = field(
+        default=False,
+        metadata={
+            "help": "resume with another global batch (processes x batch size x grad "
+            "accumulation) than the checkpoint's; the data position is kept in samples"
         },
     )
     checkpoint_every_steps: int = field(

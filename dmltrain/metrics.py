@@ -113,3 +113,21 @@ class MetricAccumulator:
         return (
             {name: v / total for name, v in zip(names, totals[:-1], strict=True)} if total else {}
         )
+
+
+def merge_states(states: list[dict | None]) -> dict | None:
+    """Several ranks' ``MetricAccumulator.state_dict()`` of a partial epoch as one (for a
+    resume at another number of processes: one rank carries the sums on). None where no
+    rank has any."""
+    found = [state for state in states if state is not None]
+    if not found:
+        return None
+    totals: dict[str, Tensor | float] = {}
+    for state in found:
+        one = MetricAccumulator("cpu")
+        one.load_state_dict(state)
+        for name, value in one._totals().items():
+            value = value.cpu() if isinstance(value, Tensor) else value
+            totals[name] = totals.get(name, 0.0) + value
+    steps = max(int(state.get("steps", 1)) for state in found)
+    return {"sums": totals, "kept": [], "steps": steps, "count": sum(s["count"] for s in found)}

@@ -23,6 +23,9 @@ class TrainState:
     tracking_run_id: str | None = None
     skip_steps: set[tuple[int, int]] = field(default_factory=set)  # (epoch, step) known bad
     log_rows: list[dict[str, Any]] = field(default_factory=list)  # training_log.csv
+    # resumes at another number of processes or global batch: epoch, step, global_step,
+    # world_size [old, new], global_batch [old, new]
+    world_size_changes: list[dict[str, Any]] = field(default_factory=list)
     metrics: MetricAccumulator = field(init=False)  # this rank's sums of the epoch in progress
 
     def __post_init__(self) -> None:
@@ -53,6 +56,7 @@ class TrainState:
             "tracking_run_id": self.tracking_run_id,
             "skip_steps": sorted(self.skip_steps),
             "training_log": list(self.log_rows),
+            "world_size_changes": list(self.world_size_changes),
         }
 
     def load_state_dict(self, state: dict[str, Any], metrics: dict[str, Any] | None) -> None:
@@ -64,6 +68,7 @@ class TrainState:
         self.tracking_run_id = state.get("tracking_run_id")
         self.skip_steps |= {(int(e), int(s)) for e, s in state.get("skip_steps", [])}
         self.log_rows = list(state["training_log"])
+        self.world_size_changes = list(state.get("world_size_changes", []))
         self.metrics = MetricAccumulator(self.device)
         if metrics is not None:
             self.metrics.load_state_dict(metrics)

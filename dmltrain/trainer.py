@@ -31,7 +31,7 @@ from dmltrain import (
 )
 from dmltrain.batches import batch_size_of, chunks, to_device
 from dmltrain.checkpointer import Checkpointer, Saved
-from dmltrain.config import TrainConfig, as_plain, to_yaml
+from dmltrain.config import TrainConfig, as_plain, per_process_batch, to_yaml
 from dmltrain.distributed import Strategy, create_strategy, unwrap
 from dmltrain.errors import StopForRequeue, UserError
 from dmltrain.hooks import TrainerHooks
@@ -93,6 +93,8 @@ class BaseTrainer(TrainerHooks):
         if dist is None:
             dist = launch.detect(self.config.distributed.launcher, self.config.distributed.nprocs)
         self.dist = dist
+        batch = per_process_batch(self.config.loop, dist.world_size)
+        self.config = self.config.replace(batch_size=batch)
         self.environment = launch.run_environment()
         self.device = torch.device(self.dist.device)
         # Chosen (and checked) now, so bad settings fail before any process starts.
@@ -229,7 +231,10 @@ class BaseTrainer(TrainerHooks):
         row: dict[str, Any] = {"epoch": epoch + 1}
         row.update({f"train_{k}": v for k, v in train.items()})
         row.update({f"val_{k}": v for k, v in val.items()})
-        row.update(lr=lr, epoch_time_s=round(time.perf_counter() - started, 3))
+        row.update(
+            lr=lr, world_size=self.dist.world_size
+        )  # changes on a resume (dmltrain.checkpointer)
+        row["epoch_time_s"] = round(time.perf_counter() - started, 3)
         if self.precision.scaler is not None:  # fp16 steps dropped on overflow, in all
             row["skipped_steps"] = int(self.precision.skipped)
         s.log_rows.append(row)
@@ -375,6 +380,7 @@ class BaseTrainer(TrainerHooks):
             strategy = self.strategy
             info = diagnostics.collect(self.ranks, self.dist, strategy.name, strategy.backend(),
                                        type(self), plain, self.environment)  # fmt: skip
+            info["world_size_changes"] = self.state.world_size_changes
             info["training"] = diagnostics.training(
                 unwrap(self.model), self.train_loader, self.val_loader, self.config.loop,
                 self.dist.world_size, self.config.numerics.precision,

@@ -110,9 +110,10 @@ def require(tool: str) -> None:
 
 
 def log_numbers(run: Path) -> list[dict[str, float]]:
-    """The training log without its wall-clock column."""
+    """The training log without its wall-clock and world-size columns."""
     rows = read_training_log(run / "training_log.csv")
-    return [{k: v for k, v in row.items() if k != "epoch_time_s"} for row in rows]
+    return [{k: v for k, v in row.items() if k not in ("epoch_time_s", "world_size")}
+            for row in rows]  # fmt: skip
 
 
 def assert_same_run(run_a: Path, run_b: Path, rel: float = 0.0) -> None:

@@ -51,6 +51,11 @@ class TinyOptions:
     prepare_log: str = field(
         default="", metadata={"help": "prepare_data appends 'HOST RANK' to this file"}
     )
+    record_samples: bool = field(
+        default=False,
+        metadata={"help": "each rank appends 'EPOCH STEP INDEX...' of its batches to "
+                  "RUN_DIR/samples.RANK.txt"},
+    )  # fmt: skip
 
 
 class WrapperNames(nn.Module):
@@ -111,6 +116,8 @@ class TinyTrainer(BaseTrainer):
         y = x.sum(dim=1, keepdim=True) + 0.1 * torch.randn(len(x), 1, generator=g)
         n = self.opts.samples
         train = TensorDataset(x[:n], y[:n])
+        if self.opts.record_samples:
+            train = TensorDataset(x[:n], y[:n], torch.arange(n))
         return Augmented(train) if self.opts.augment else train, TensorDataset(x[n:], y[n:])
 
     def train_step(self, batch):
@@ -131,7 +138,11 @@ class TinyTrainer(BaseTrainer):
                     os.posix_fallocate(handle.fileno(), 0, free - (64 << 10))
         if self.opts.step_sleep:
             time.sleep(self.opts.step_sleep)  # a slow step, so a test can signal mid-run
-        x, y = batch
+        x, y, *index = batch
+        if index:
+            with open(self.run_dir / f"samples.{self.dist.rank}.txt", "a") as record:
+                shown = " ".join(str(int(i)) for i in index[0])
+                record.write(f"{self.epoch + 1} {self.step_in_epoch + 1} {shown}\n")
         loss = F.mse_loss(self.model(x), y)
         if self._injecting("loss"):
             loss = loss * float("nan")

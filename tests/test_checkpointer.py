@@ -1,0 +1,167 @@
+"""Resuming at another number of processes (dmltrain/checkpointer.py): the global batch
+is what a resume keeps; the position in the epoch is counted in samples.
+
+Real processes (``--nprocs``): a run of 2 processes x batch 8 is preempted mid-epoch
+(SIGUSR1 in the 4th of 6 steps an epoch) and resumed on 1 process x 16, on 1 x 8 x
+``--grad-accum 2`` and on 4 x 4; a run of 1 x 16 is resumed on 2 x 8. Each ends within
+1e-5 (relative) of the uninterrupted run, with the same training-log rows, and every
+sample of every epoch trained exactly once (tiny's ``--record-samples``).
+"""
+
+import shutil
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from helpers import AT_ONCE, assert_same_run, cli_env, log_numbers, require, run_cli
+
+from dmltrain.checkpoint import list_checkpoints, load_file
+
+BASE = ["tiny", "--epochs", "2", "--samples", "96", "--save-weights", "--progress", "off",
+        "--record-samples"]  # fmt: skip
+STOP_AFTER_STEP_4 = ["--signal-rank", "0", "--signal-at-step", "3", *AT_ONCE]
+
+
+def shape(nprocs: int, batch: int, *extra: str) -> list[str]:
+    return ["--nprocs", str(nprocs), "--batch-size", str(batch), *extra]
+
+
+def train(run: Path, *args: str, code: int = 0) -> str:
+    done = run_cli(*BASE, "--run-dir", str(run), *args, cwd=run.parent)
+    assert done.returncode == code, done.stderr
+    return done.stdout + done.stderr
+
+
+def samples_per_epoch(run: Path) -> dict[int, Counter]:
+    """Which sample indices were trained in each epoch, over all ranks and jobs."""
+    seen: dict[int, Counter] = {}
+    for record in run.glob("samples.*.txt"):
+        for line in record.read_text().splitlines():
+            epoch, _, *indices = (int(v) for v in line.split())
+            seen.setdefault(epoch, Counter()).update(indices)
+    return seen
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    run = tmp_path_factory.mktemp("reference") / "run"
+    train(run, *shape(2, 8))
+    return run
+
+
+@pytest.fixture(scope="module")
+def preempted(tmp_path_factory) -> dict[int, Path]:
+    """Runs of 2 x 8 and 1 x 16, stopped after step 4 of epoch 1, by world size."""
+    runs = {}
+    for nprocs, batch in ((2, 8), (1, 16)):
+        run = tmp_path_factory.mktemp(f"preempted{nprocs}") / "run"
+        train(run, *shape(nprocs, batch), *STOP_AFTER_STEP_4, code=3)
+        assert load_file(list_checkpoints(run / "checkpoints")[0])["step_in_epoch"] == 4
+        runs[nprocs] = run
+    return runs
+
+
+@pytest.mark.parametrize(
+    "start, resume",
+    [
+        (2, shape(1, 16)),
+        (2, shape(1, 8, "--grad-accum", "2")),
+        (2, shape(4, 4)),  # more processes than cores
+        (1, shape(2, 8)),
+        (2, shape(1, 1, "--global-batch-size", "16")),  # the flag, not the arithmetic
+    ],
+    ids=["2x8->1x16", "2x8->1x8x2", "2x8->4x4", "1x16->2x8", "2x8->global-16"],
+)
+def test_resume_on_another_number_of_processes_keeps_the_global_batch(
+    tmp_path, reference, preempted, start, resume
+):
+    run = tmp_path / "run"
+    shutil.copytree(preempted[start], run)
+    out = train(run, *resume)
+    nprocs = int(resume[1])
+    assert f"resuming on {nprocs} process(es) instead of {start}, global batch 16 (kept)" in out
+    assert_same_run(reference, run, rel=1e-5)
+    assert [row["epoch"] for row in log_numbers(run)] == [1.0, 2.0]
+    seen = samples_per_epoch(run)
+    assert sorted(seen) == [1, 2]
+    for epoch, counts in seen.items():  # none skipped, none repeated
+        assert counts == Counter(range(96)), (epoch, counts)
+    diagnostics = (run / "diagnostics.json").read_text()
+    assert f'"world_size": [\n        {start},\n        {nprocs}\n      ]' in diagnostics
+    latest = load_file(list_checkpoints(run / "checkpoints")[0])
+    assert latest["world_size_changes"] == [{
+        "epoch": 1, "step": 4, "global_step": 4, "world_size": [start, nprocs],
+        "global_batch": [16, 16],
+    }]  # fmt: skip
+    rows = (run / "training_log.csv").read_text().splitlines()
+    assert rows[0].split(",")[-2:] == ["world_size", "epoch_time_s"]
+    assert [row.split(",")[-2] for row in rows[1:]] == [str(nprocs)] * 2
+
+
+def test_a_changed_global_batch_is_refused_unless_allowed(tmp_path, preempted):
+    run = tmp_path / "run"
+    shutil.copytree(preempted[2], run)
+    done = run_cli(*BASE, "--run-dir", str(run), *shape(1, 8), cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        f"dmltrain: error: cannot resume from {list_checkpoints(run / 'checkpoints')[0]}: the "
+        "global batch would be 8 (1 process(es) x --batch-size 8 x --grad-accum 1) but was 16 "
+        "(2 x 8 x 1); keep it with --global-batch-size 16 (or --batch-size 16), or change it "
+        "with --allow-global-batch-change"
+    ]
+    # Allowed: 64 samples into epoch 1 = 8 batches of 8; the run goes on from there.
+    out = train(run, *shape(1, 8), "--allow-global-batch-change")
+    assert "the global batch changes from 16 to 8 (--allow-global-batch-change): 64 " \
+        "samples into epoch 1, the run goes on from sample 64" in out  # fmt: skip
+    for counts in samples_per_epoch(run).values():
+        assert counts == Counter(range(96))
+    # A new global batch of 48: back to sample 48, the last whole batch, and said so
+    odd = tmp_path / "odd"
+    shutil.copytree(preempted[2], odd)
+    out = train(odd, *shape(1, 48), "--allow-global-batch-change")
+    assert "64 samples into epoch 1, the run goes on from sample 48, a whole batch of 48" in out
+    seen = samples_per_epoch(odd)[1]
+    assert set(seen) == set(range(96)) and sum(seen.values()) == 96 + 16  # 16 of them twice
+
+
+def test_global_batch_size_divides_among_processes_or_says_so(tmp_path):
+    done = run_cli(*BASE, "--run-dir", str(tmp_path / "r"), "--nprocs", "3",
+                   "--global-batch-size", "16", cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        "dmltrain: error: --global-batch-size 16 does not divide into 3 process(es) x "
+        "--grad-accum 1: choose a multiple of 3"
+    )
+    run = tmp_path / "g"
+    train(run, "--nprocs", "2", "--global-batch-size", "16", "--grad-accum", "2", "--epochs", "1")
+    assert "batch_size: 4\n" in (run / "config.yaml").read_text()
+    first = [line.split() for line in (run / "samples.0.txt").read_text().splitlines()]
+    assert {len(line) - 2 for line in first} == {4}  # 4 samples a micro-batch on each rank
+
+
+def test_sharded_fsdp_and_horovod_resume_on_one_process(tmp_path, reference):
+    """A sharded (DCP) FSDP checkpoint of 2 ranks is resharded onto 1; a Horovod run of 2
+    goes on under horovodrun -np 1."""
+    fsdp = tmp_path / "fsdp"
+    sharded = ["--strategy", "fsdp", "--checkpoint-format", "sharded"]
+    train(fsdp, *shape(2, 8), *sharded, *STOP_AFTER_STEP_4, code=3)
+    assert (fsdp / "checkpoints" / "ckpt-000001-00000004.dcp").is_dir()
+    train(fsdp, *shape(1, 16), *sharded)
+    assert_same_run(reference, fsdp, rel=1e-5)
+
+    require("horovodrun")
+    hvd = tmp_path / "hvd"
+    # horovodrun reports a worker's exit 3 as its own 1; the checkpoint tells
+    for nprocs, batch, extra, code in ((2, 8, STOP_AFTER_STEP_4, 1), (1, 16, [], 0)):
+        done = subprocess.run(
+            ["horovodrun", "--gloo", "-np", str(nprocs), "-H", f"localhost:{nprocs}",
+             "dmltrain", *BASE, "--run-dir", str(hvd), "--batch-size", str(batch), *extra],
+            cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        assert done.returncode == code, done.stdout[-3000:]
+        assert (hvd / "checkpoints" / "ckpt-000001-00000004.pt").is_file()
+    assert "resuming on 1 process(es) instead of 2, global batch 16 (kept)" in done.stdout
+    assert_same_run(reference, hvd, rel=1e-5)
+    for counts in samples_per_epoch(hvd).values():
+        assert counts == Counter(range(96))
