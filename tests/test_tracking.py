@@ -51,9 +51,10 @@ def test_offline_run_has_the_config_and_the_logged_metrics(tmp_path):
 
 
 def test_a_resumed_run_continues_the_same_wandb_run(tmp_path):
+    """... also on another number of processes (2 x 4, then 1 x 8: the same global batch)."""
     run = tmp_path / "run"
     first = train(tmp_path, run, "--signal-rank", "0", "--signal-at-step", "16", *AT_ONCE,
-                  WANDB_MODE="offline")  # fmt: skip
+                  "--nprocs", "2", "--batch-size", "4", WANDB_MODE="offline")  # fmt: skip
     assert first.returncode == 3, first.stderr[-2000:]
     second = train(tmp_path, run, WANDB_MODE="offline")
     assert second.returncode == 0, second.stderr[-2000:]
@@ -63,6 +64,7 @@ def test_a_resumed_run_continues_the_same_wandb_run(tmp_path):
     steps_before = [row["global_step"] for row in before.history]
     steps_after = [row["global_step"] for row in after.history]
     assert max(steps_before) <= 17 < min(steps_after) and max(steps_after) == 24
+    assert [row["world_size"] for row in after.history if "val_loss" in row] == [1]
 
 
 def test_only_rank_0_creates_a_run(tmp_path):
