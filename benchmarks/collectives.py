@@ -5,7 +5,7 @@ extrapolated to 64, 256 and 1,024 ranks with the algorithm's cost model.
     python -m benchmarks.collectives --quick    # 2 processes, 30 repetitions (smoke test)
 
 - ``agreement``: the preemption/checkpoint agreement (``preemption.agree`` through
-  ``Strategy.max_over_ranks``): an all-reduce MAX of 4 int32, about every
+  ``Strategy.max_over_ranks``): an all-reduce MAX of 5 int32, about every
   ``--preempt-check-seconds`` of training;
 - ``nan_check``: ``NanChecker.agree``: an all-reduce SUM of a world x 3 float table, every
   step with ``--check-nans``;
@@ -43,7 +43,7 @@ WARMUP = 50  # steps
 
 def _collectives(world: int) -> dict[str, tuple[torch.Tensor, dist.ReduceOp]]:
     return {
-        "agreement": (torch.zeros(4, dtype=torch.int32), dist.ReduceOp.MAX),
+        "agreement": (torch.zeros(5, dtype=torch.int32), dist.ReduceOp.MAX),
         "nan_check": (torch.zeros(world, 3), dist.ReduceOp.SUM),
         "epoch_metrics": (torch.zeros(8), dist.ReduceOp.SUM),
     }

@@ -34,6 +34,27 @@ class LoopConfig:
     """The training loop: length, batch, the step, optimizer defaults, seed, logging."""
 
     epochs: int = field(default=10, metadata={"help": "number of training epochs"})
+    max_steps: int = field(
+        default=0,
+        metadata={"help": "end training after N optimizer steps, whatever the epoch (0: off)"},
+    )
+    max_time: str = field(
+        default="",
+        metadata={
+            "help": "end training after this much time over all the jobs of the run: "
+            "D-HH:MM:SS, HH:MM:SS or minutes ('': off)"
+        },
+    )
+    early_stop_patience: int = field(
+        default=0,
+        metadata={
+            "help": "end training after K validations in a row without --best-metric "
+            "improving by more than --early-stop-min-delta (0: off)"
+        },
+    )
+    early_stop_min_delta: float = field(
+        default=0.0, metadata={"help": "the least change of --best-metric that counts"}
+    )
     batch_size: int = field(
         default=64,
         metadata={"help": "batch size per process (global batch = batch size x world size)"},
@@ -79,6 +100,22 @@ class LoopConfig:
 
     def __post_init__(self) -> None:
         check(self.epochs >= 1, f"--epochs must be at least 1 (got {self.epochs})")
+        check(self.max_steps >= 0, f"--max-steps must be >= 0 (got {self.max_steps})")
+        check(
+            self.early_stop_patience >= 0,
+            f"--early-stop-patience must be >= 0 (got {self.early_stop_patience})",
+        )
+        check(self.early_stop_min_delta >= 0, "--early-stop-min-delta must be >= 0")
+        if self.max_time:
+            try:
+                seconds = time_limit_seconds(self.max_time)
+            except ValueError:
+                seconds = 0
+            check(
+                seconds > 0,
+                f"--max-time {self.max_time!r}: give a duration like 2-00:00:00, 12:00:00 or "
+                "90 (minutes)",
+            )
         check(self.batch_size >= 1, f"--batch-size must be at least 1 (got {self.batch_size})")
         check(self.grad_accum >= 1, f"--grad-accum must be at least 1 (got {self.grad_accum})")
         check(
@@ -90,6 +127,21 @@ class LoopConfig:
         check(self.weight_decay >= 0, f"--weight-decay must be >= 0 (got {self.weight_decay})")
         check(self.log_every >= 1, f"--log-every must be at least 1 (got {self.log_every})")
         check(self.run_dir != "", "--run-dir must not be empty")
+
+
+def time_limit_seconds(text: str) -> int:
+    """Slurm's time formats (``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH[:MM[:SS]]``) in seconds."""
+    days, _, rest = text.rpartition("-")
+    parts = [int(p) for p in rest.split(":")]
+    if days:
+        h, m, s = [*parts, 0, 0][:3]  # D-HH, D-HH:MM, D-HH:MM:SS
+    elif len(parts) == 1:
+        h, m, s = 0, parts[0], 0  # MM
+    elif len(parts) == 2:
+        h, m, s = 0, *parts  # MM:SS
+    else:
+        h, m, s = parts
+    return (int(days or 0) * 24 + h) * 3600 + m * 60 + s
 
 
 def per_process_batch(loop: LoopConfig, world_size: int) -> int:

@@ -123,19 +123,23 @@ def agree(
     watcher: PreemptionWatcher,
     max_over_ranks: Callable[[list[int]], list[int]],
     save_due: Callable[[], bool],
-) -> tuple[bool, bool]:
+    finish_due: Callable[[], bool] = lambda: False,
+) -> tuple[bool, bool, bool]:
     """At a step boundary, on every rank: whether all ranks stop here (any rank was
-    signalled or reached the deadline) and whether a timed checkpoint is due (on any
-    rank), agreed in one collective when ``schedule`` says it is time; else both False."""
+    signalled or reached the deadline), whether a timed checkpoint is due and whether the
+    run is done (``--max-time``; both on any rank), agreed in one collective when
+    ``schedule`` says it is time; else all False."""
     if not schedule.due():
-        return False, False
+        return False, False, False
     request, wait = watcher.local_request(), schedule.proposal()
     took_us = min(int(schedule.took * 1e6), 2**31 - 1)  # the collective is of int32
     began = time.perf_counter()
-    stop, save, smallest, shortest = max_over_ranks([request, save_due(), -wait, -took_us])
+    stop, save, smallest, shortest, finish = max_over_ranks(
+        [request, save_due(), -wait, -took_us, finish_due()]
+    )
     schedule.took = time.perf_counter() - began
     schedule.agreed(-smallest, -shortest / 1e6)
-    return bool(stop), bool(save)
+    return bool(stop), bool(save), bool(finish)
 
 
 def requeue(job_id: str | None, say: Callable[[str], None]) -> None:

@@ -20,6 +20,9 @@ class TrainState:
     step_in_epoch: int = 0  # optimizer steps done in the epoch in progress
     global_step: int = 0
     best_value: float | None = None  # of --best-metric
+    best_at: tuple[int, int] | None = None  # (epoch, global step) of the best validation
+    bad_validations: int = 0  # in a row without improvement (--early-stop-patience)
+    train_seconds: float = 0.0  # the run's training time over all its jobs (--max-time)
     tracking_run_id: str | None = None
     skip_steps: set[tuple[int, int]] = field(default_factory=set)  # (epoch, step) known bad
     log_rows: list[dict[str, Any]] = field(default_factory=list)  # training_log.csv
@@ -53,6 +56,9 @@ class TrainState:
             "step_in_epoch": self.step_in_epoch,
             "global_step": self.global_step,
             "best_value": self.best_value,
+            "best_at": self.best_at,
+            "bad_validations": self.bad_validations,
+            "train_seconds": self.train_seconds,
             "tracking_run_id": self.tracking_run_id,
             "skip_steps": sorted(self.skip_steps),
             "training_log": list(self.log_rows),
@@ -65,6 +71,10 @@ class TrainState:
         self.epoch, self.step_in_epoch = state["epoch"], state["step_in_epoch"]
         self.global_step = state["global_step"]
         self.best_value = state.get("best_value")
+        best_at = state.get("best_at")
+        self.best_at = None if best_at is None else (int(best_at[0]), int(best_at[1]))
+        self.bad_validations = int(state.get("bad_validations", 0))
+        self.train_seconds = float(state.get("train_seconds", 0.0))
         self.tracking_run_id = state.get("tracking_run_id")
         self.skip_steps |= {(int(e), int(s)) for e, s in state.get("skip_steps", [])}
         self.log_rows = list(state["training_log"])

@@ -37,6 +37,7 @@ class OptimizerStep:
     detect_anomaly: bool
     nan_checker: NanChecker | None
     on_nan: Callable[[NanEvent], NanEvent | None]  # the --on-nan action
+    grad_norm: Tensor | None = None  # the last step's, before clipping (with --grad-clip)
 
     def run(self, micro_batches: list[Any], epoch: int, step: int) -> NanEvent | None:
         """Forward and backward of each micro-batch, checks, clipping, the update. Returns
@@ -63,8 +64,8 @@ class OptimizerStep:
             event = checker.agree(flags, epoch, step, global_step + 1)
             if event is not None:
                 return self.on_nan(event)  # the step is dropped on every rank
-        if self.grad_clip:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        if self.grad_clip:  # the norm stays on the device until a log interval reads it
+            self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         self.strategy.optimizer_step(precision.step, self.optimizer)
         if checker is not None:
             flags = checker.flags(None, gradients=False, parameters=True)

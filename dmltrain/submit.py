@@ -17,6 +17,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from dmltrain.config import time_limit_seconds
 from dmltrain.errors import UserError
 
 SCRIPTS = {
@@ -77,21 +78,6 @@ def current_env() -> str | None:
     if sys.prefix != sys.base_prefix or (prefix / "conda-meta").is_dir():
         return str(prefix)
     return None
-
-
-def time_limit_seconds(text: str) -> int:
-    """Slurm's time formats (``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH[:MM[:SS]]``) in seconds."""
-    days, _, rest = text.rpartition("-")
-    parts = [int(p) for p in rest.split(":")]
-    if days:
-        h, m, s = [*parts, 0, 0][:3]  # D-HH, D-HH:MM, D-HH:MM:SS
-    elif len(parts) == 1:
-        h, m, s = 0, parts[0], 0  # MM
-    elif len(parts) == 2:
-        h, m, s = 0, *parts  # MM:SS
-    else:
-        h, m, s = parts
-    return (int(days or 0) * 24 + h) * 3600 + m * 60 + s
 
 
 def _set_directives(text: str, lines_by_key: dict[str, str]) -> str:

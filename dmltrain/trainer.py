@@ -30,6 +30,7 @@ from dmltrain import (
     threads,
 )
 from dmltrain.batches import batch_size_of, chunks, to_device
+from dmltrain.budget import Budget, Done, total_steps
 from dmltrain.checkpointer import Checkpointer, Saved
 from dmltrain.config import TrainConfig, as_plain, per_process_batch, to_yaml
 from dmltrain.distributed import Strategy, create_strategy, unwrap
@@ -43,7 +44,7 @@ from dmltrain.progress import Progress
 from dmltrain.state import TrainState
 from dmltrain.step import OptimizerStep
 from dmltrain.tracking import Tracker, create_tracker
-from dmltrain.training_log import read_training_log, write_training_log
+from dmltrain.training_log import StepsLog, read_training_log, write_training_log
 
 
 class BaseTrainer(TrainerHooks):
@@ -75,6 +76,9 @@ class BaseTrainer(TrainerHooks):
     checkpointer: Checkpointer
     watcher: preemption.PreemptionWatcher
     agreement: preemption.AgreementSchedule
+    steps_log: StepsLog  # steps.csv (rank 0)
+    budget: Budget  # when the run is done: epochs, steps, time, early stopping
+    total_steps: int  # optimizer steps by --epochs and --max-steps, known before the first
     precision: Precision
     nan_checker: NanChecker | None
     step: OptimizerStep  # one optimizer step (dmltrain.step)
@@ -151,40 +155,54 @@ class BaseTrainer(TrainerHooks):
         return self.state.log_rows
 
     def _train(self) -> str | None:
-        """The run, epoch by epoch. Returns why it stopped before its last epoch (to go on
-        in a later job), or None when every epoch is done."""
-        epochs, s = self.config.loop.epochs, self.state
+        """The run, epoch by epoch, until it is done (``budget``). Returns why it stopped
+        before that (to go on in a later job), or None when it is done."""
+        epochs, s, budget = self.config.loop.epochs, self.state, self.budget
         self.on_train_start()
-        if s.epoch >= epochs:  # e.g. a later job of a chain
+        budget.start()
+        before = budget.reason(budget.time_done()) or budget.stopped_early()
+        if s.epoch >= epochs or before:  # e.g. a later job of a chain
             self.progress.info(
-                f"dmltrain: the run has done its {epochs} epoch(s) already; "
-                "nothing left to train (raise --epochs to go on)"
+                f"dmltrain: the run is done already ({before or f'{epochs} epoch(s)'}); "
+                "nothing left to train (raise the limit to go on)"
             )
+        done = before
         self.epochs_this_job = 0
-        while s.epoch < epochs:
+        while s.epoch < epochs and done is None:
             epoch, started = s.epoch, time.perf_counter()
             self.on_epoch_start(epoch)
             outcome = self._train_epoch()
             if isinstance(outcome, NanEvent):  # --on-nan rollback
                 self.checkpointer.rollback(outcome.epoch, outcome.step)
                 continue
-            if outcome is not None:  # preempted; the checkpoint is saved
+            if isinstance(outcome, str):  # preempted; the checkpoint is saved
                 return outcome
-            best = self._end_epoch(epoch, started)
-            stop = self._should_stop()
-            last = s.epoch >= epochs
+            best, done = self._end_epoch(epoch, started, partial=outcome is not None)
+            done = done or (outcome and outcome.reason) or budget.reason(self._time_agreed())
+            stop = None if done else self._should_stop()
+            last = s.epoch >= epochs or done is not None
             self.checkpointer.maybe_save(
                 epoch_end=True, best=best, stopping=stop is not None, last=last
             )
             if stop is not None:
                 return stop
+        if done and not before:
+            self.progress.info(f"dmltrain: done: {done}")
         self.on_train_end()
         self.checkpointer.wait()
         return None
 
-    def _train_epoch(self) -> str | NanEvent | None:
+    def _time_agreed(self) -> bool:
+        """Whether any rank's clock says the --max-time budget is spent (a collective)."""
+        if self.budget.max_seconds is None:
+            return False
+        self.budget.tick()
+        return bool(self.strategy.max_over_ranks([self.budget.time_done()])[0])
+
+    def _train_epoch(self) -> str | NanEvent | Done | None:
         """The epoch's steps from where the run is. Returns why the run stops here
-        (preempted), the non-finite step to roll back from, or None at the epoch's end."""
+        (preempted), the non-finite step to roll back from, the budget that ended the run
+        in the epoch, or None at the epoch's end."""
         loop, s = self.config.loop, self.state
         epoch = s.epoch + 1  # 1-based, as printed and logged
         self.model.train()
@@ -204,31 +222,34 @@ class BaseTrainer(TrainerHooks):
             s.global_step += 1
             s.step_in_epoch = step
             # rank 0's running means, read at the log interval only
-            shown = self.progress.step(
-                step, s.metrics.count, s.metrics.compute, self.tracker.active
-            )
-            if shown is not None and self.tracker.active:
-                self._track_step(shown)
-            stopping, timed = preemption.agree(
+            shown = self.progress.step(step, s.metrics.count, s.metrics.compute, self.dist.is_main)
+            if shown is not None:  # rank 0, at the log interval
+                self._log_step(epoch, shown)
+            self.budget.tick()
+            stopping, timed, finished = preemption.agree(
                 self.agreement, self.watcher, self.strategy.max_over_ranks,
-                self.checkpointer.minutes_due,
+                self.checkpointer.minutes_due, self.budget.time_done,
             )  # fmt: skip
             self.checkpointer.maybe_save(minutes=timed, stopping=stopping)
             if stopping:
                 return self._stop_for_preemption()
+            if step < steps and (finished or self.budget.steps_done()):
+                return Done(self.budget.reason(finished) or "")
         return None
 
-    def _end_epoch(self, epoch: int, started: float) -> bool:
+    def _end_epoch(self, epoch: int, started: float, partial: bool) -> tuple[bool, str | None]:
         """Training means, validation and the scheduler's epoch step make the epoch's row of
-        the training log; the row is written, shown and tracked. Returns whether the epoch
-        is the best so far."""
+        the training log; the row is written, shown and tracked. ``partial``: a budget
+        ended the run inside the epoch (the row is the epoch's so far; it stays in
+        progress). Returns whether the validation is the best so far, and why the run
+        stops early (``--early-stop-patience``) or None."""
         s, best_metric = self.state, self.config.checkpoint.best_metric
         train = s.metrics.compute(self.strategy.all_reduce_sum)
         val = self.validate() if self.val_loader is not None else {}
         lr = self.optimizer.param_groups[0]["lr"]
-        if self.scheduler is not None and self.scheduler_interval == "epoch":
+        if self.scheduler is not None and self.scheduler_interval == "epoch" and not partial:
             self.scheduler.step()
-        row: dict[str, Any] = {"epoch": epoch + 1}
+        row: dict[str, Any] = {"epoch": epoch + 1, "step": s.global_step}
         row.update({f"train_{k}": v for k, v in train.items()})
         row.update({f"val_{k}": v for k, v in val.items()})
         row.update(
@@ -242,13 +263,16 @@ class BaseTrainer(TrainerHooks):
             write_training_log(self.run_dir / "training_log.csv", s.log_rows)
         self.progress.epoch_summary(row)
         self.on_epoch_end(epoch, row)
-        s.end_epoch()
-        self.epochs_this_job += 1
+        if not partial:
+            s.end_epoch()
+            self.epochs_this_job += 1
+        stop_early = self.budget.validated(row)  # counted against the best before it
         best = s.improves(row.get(best_metric), self.config.checkpoint.best_mode)
         self.tracker.log(row, s.global_step)
         if best:
-            self.tracker.summary({f"best_{best_metric}": s.best_value, "best_epoch": s.epoch})
-        return best
+            s.best_at = (epoch + 1, s.global_step)
+            self.tracker.summary({f"best_{best_metric}": s.best_value, "best_epoch": epoch + 1})
+        return best, self.budget.stopped_early() if stop_early else None
 
     def _should_stop(self) -> str | None:
         """Why the run stops after this epoch to go on in a later job, or None."""
@@ -262,13 +286,17 @@ class BaseTrainer(TrainerHooks):
             )
         return None
 
-    def _track_step(self, shown: dict[str, float]) -> None:
-        values = {f"train/{k}": v for k, v in shown.items()}
-        values["train/lr"] = self.optimizer.param_groups[0]["lr"]
+    def _log_step(self, epoch: int, shown: dict[str, float]) -> None:
+        """The step scalars at a log interval (rank 0): steps.csv and the tracker."""
+        values = {**shown, "lr": self.optimizer.param_groups[0]["lr"]}
+        if self.step.grad_norm is not None:
+            values["grad_norm"] = float(self.step.grad_norm)
         if self.precision.scale is not None:
-            values["train/grad_scale"] = float(self.precision.scale)
-            values["train/skipped_steps"] = int(self.precision.skipped)
-        self.tracker.log(values, self.global_step)
+            values["grad_scale"] = float(self.precision.scale)
+            values["skipped_steps"] = int(self.precision.skipped)
+        self.steps_log.write({"step": self.global_step, "epoch": epoch, **values})
+        if self.tracker.active:
+            self.tracker.log({f"train/{k}": v for k, v in values.items()}, self.global_step)
 
     def _stop_for_preemption(self) -> str:
         """After the preemption checkpoint: ask Slurm to requeue; why the run stops."""
@@ -323,6 +351,7 @@ class BaseTrainer(TrainerHooks):
         if loop.compile:
             self.model = torch.compile(self.model)  # type: ignore[assignment]
         self._setup_data()
+        self.total_steps = total_steps(loop, math.ceil(len(self.train_loader) / loop.grad_accum))
         optimizer = self.create_optimizer(self.model)
         self.optimizer = self.strategy.wrap_optimizer(optimizer, self.model, loop.grad_accum)
         self.scheduler = self.create_scheduler(self.optimizer)
@@ -342,6 +371,8 @@ class BaseTrainer(TrainerHooks):
             self.progress.info, self.warn,
         )  # fmt: skip
         self.checkpointer.restore()
+        self.budget = Budget(loop, self.state, cfg.checkpoint.best_metric,
+                             cfg.checkpoint.best_mode)  # fmt: skip
         if checks.check_nans and checks.on_nan == "rollback" and self.state.global_step == 0:
             self.checkpointer.save(best=False)  # something to roll back to from step 1
         per_step = self.scheduler if self.scheduler_interval == "step" else None
@@ -386,6 +417,7 @@ class BaseTrainer(TrainerHooks):
                 self.dist.world_size, self.config.numerics.precision,
             )  # fmt: skip
             self.progress.info(rundir.write_records(self.run_dir, text, info))
+            self.steps_log = StepsLog(self.run_dir / "steps.csv", self.state.global_step)
             self.tracker = create_tracker(
                 self.config.tracking, self.environment.wandb_mode, self.run_dir,
                 self.state.tracking_run_id, self.name, plain, self.progress.info,

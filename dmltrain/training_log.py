@@ -1,4 +1,5 @@
-"""``training_log.csv``: one row per epoch, rewritten atomically after each epoch."""
+"""``training_log.csv``: one row per validation (at each epoch's end), rewritten atomically
+after each; ``steps.csv``: the step scalars every ``--log-every`` steps, appended."""
 
 import csv
 import io
@@ -29,3 +30,39 @@ def read_training_log(path: Path | str) -> list[dict[str, float]]:
             {key: float(value) if value != "" else float("nan") for key, value in row.items()}
             for row in csv.DictReader(handle)
         ]
+
+
+class StepsLog:
+    """``RUN_DIR/steps.csv`` (rank 0): a row of step scalars (loss and the step's metrics,
+    lr, samples/s, the gradient norm when clipping) every ``--log-every`` steps, so a run
+    without wandb can be plotted by step. A resumed run first drops the rows after its
+    checkpoint's step (a run killed after its last checkpoint logged steps it retrains)."""
+
+    def __init__(self, path: Path, resumed_at: int) -> None:
+        self.path = path
+        self.columns: list[str] | None = None
+        if path.is_file():
+            with open(path, newline="") as handle:
+                reader = csv.DictReader(handle)
+                rows = list(reader)
+                self.columns = list(reader.fieldnames or []) or None
+            kept = [row for row in rows if float(row["step"]) <= resumed_at]
+            if len(kept) != len(rows) and self.columns:
+                self._write(kept, "w")
+
+    def _write(self, rows: list[dict[str, Any]], mode: str) -> None:
+        assert self.columns is not None
+        with open(self.path, mode, newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=self.columns, extrasaction="ignore",
+                                    lineterminator="\n")  # fmt: skip
+            if mode == "w":
+                writer.writeheader()
+            writer.writerows(rows)
+
+    def write(self, row: dict[str, Any]) -> None:
+        """One row; its columns are the first row's (a later new column is left out)."""
+        if self.columns is None:
+            self.columns = list(row)
+            self._write([row], "w")
+        else:
+            self._write([row], "a")

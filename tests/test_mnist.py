@@ -14,7 +14,7 @@ from dmltrain.checkpoint import load_file
 from dmltrain.launch import free_port
 from dmltrain.training_log import read_training_log
 
-COLUMNS = ["epoch", "train_loss", "val_loss", "val_acc", "lr", "world_size", "epoch_time_s"]
+COLUMNS = ["epoch", "step", "train_loss", "val_loss", "val_acc", "lr", "world_size", "epoch_time_s"]
 
 
 def test_one_epoch_on_the_sample(tmp_path, http_dir):

@@ -89,7 +89,7 @@ def test_an_agreement_that_costs_more_is_spaced_out_to_one_percent():
         while time.perf_counter() - start < seconds:
             time.sleep(0.001)
             before = in_collective
-            stop, _ = preemption.agree(schedule, watcher, slow_max, lambda: False)
+            stop, _, _ = preemption.agree(schedule, watcher, slow_max, lambda: False)
             agreements += in_collective > before
             if time.perf_counter() - start > seconds - 0.6:
                 watcher.requested = "SIGUSR1"  # in the last interval: acted on before the end

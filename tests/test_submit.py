@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from helpers import cli_env, require, run_cli
 
-from dmltrain.submit import time_limit_seconds
+from dmltrain.config import time_limit_seconds
 
 
 def dry_run(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, str]:

@@ -26,7 +26,9 @@ def test_programmatic_fit_writes_run_dir(tmp_path):
     assert (run / "config.yaml").is_file()
     log = read_training_log(run / "training_log.csv")
     assert [r["epoch"] for r in log] == [1, 2, 3]
-    assert list(log[0]) == ["epoch", "train_loss", "val_loss", "lr", "world_size", "epoch_time_s"]
+    assert list(log[0]) == [
+        "epoch", "step", "train_loss", "val_loss", "lr", "world_size", "epoch_time_s"
+    ]  # fmt: skip
     assert log[-1]["train_loss"] < log[0]["train_loss"]
     assert [r["train_loss"] for r in rows] == [r["train_loss"] for r in log]
     assert trainer.global_step == 3 * math.ceil(96 / 16)

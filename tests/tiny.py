@@ -51,6 +51,10 @@ class TinyOptions:
     prepare_log: str = field(
         default="", metadata={"help": "prepare_data appends 'HOST RANK' to this file"}
     )
+    one_cycle: bool = field(
+        default=False,
+        metadata={"help": "a OneCycleLR schedule stepped each step over self.total_steps"},
+    )
     record_samples: bool = field(
         default=False,
         metadata={"help": "each rank appends 'EPOCH STEP INDEX...' of its batches to "
@@ -109,6 +113,12 @@ class TinyTrainer(BaseTrainer):
         if self.opts.dropout:
             layers.insert(2, nn.Dropout(self.opts.dropout))
         return nn.Sequential(*layers)
+
+    def create_scheduler(self, optimizer):
+        if not self.opts.one_cycle:
+            return super().create_scheduler(optimizer)
+        self.scheduler_interval = "step"  # it raises if stepped more than total_steps times
+        return torch.optim.lr_scheduler.OneCycleLR(optimizer, 0.01, total_steps=self.total_steps)
 
     def create_datasets(self):
         g = torch.Generator().manual_seed(1234)

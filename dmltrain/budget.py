@@ -1,0 +1,91 @@
+"""When a run is done: ``--epochs``, ``--max-steps``, ``--max-time`` and early stopping
+(``--early-stop-patience``), whichever comes first.
+
+Steps are counted alike on every rank, so ``--max-steps`` needs no agreement. Time is
+not: each rank reads its own clock, so the time budget rides in the preemption agreement
+(``preemption.agree``), and all ranks end at the same step boundary. The time counted is
+the run's over all its jobs (``TrainState.train_seconds``, in every checkpoint). Early
+stopping reads the validation metrics, which are reduced over the ranks, so every rank
+holds the same value and takes the same decision; its count is in every checkpoint.
+"""
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from dmltrain.config import LoopConfig, time_limit_seconds
+from dmltrain.state import TrainState
+
+
+def total_steps(loop: LoopConfig, steps_per_epoch: int) -> int:
+    """Optimizer steps the run takes, by --epochs and --max-steps (a time budget or early
+    stopping may end it sooner)."""
+    total = loop.epochs * steps_per_epoch
+    return min(total, loop.max_steps) if loop.max_steps else total
+
+
+@dataclass(frozen=True)
+class Done:
+    """A budget ended the run inside an epoch."""
+
+    reason: str
+
+
+class Budget:
+    def __init__(self, loop: LoopConfig, state: TrainState, best_metric: str, mode: str) -> None:
+        self.loop, self.state = loop, state
+        self.best_metric, self.mode = best_metric, mode
+        self.max_seconds = time_limit_seconds(loop.max_time) if loop.max_time else None
+        self._base = state.train_seconds  # the earlier jobs' time
+        self._started = time.monotonic()
+
+    def start(self) -> None:
+        """The job's training starts now (after a resume has set ``train_seconds``)."""
+        self._base, self._started = self.state.train_seconds, time.monotonic()
+
+    def tick(self) -> None:
+        """Called at every step boundary: the run's training time so far."""
+        self.state.train_seconds = self._base + time.monotonic() - self._started
+
+    def steps_done(self) -> bool:
+        return bool(self.loop.max_steps) and self.state.global_step >= self.loop.max_steps
+
+    def time_done(self) -> bool:
+        """This rank's view (agree before acting on it)."""
+        return self.max_seconds is not None and self.state.train_seconds >= self.max_seconds
+
+    def reason(self, time_agreed: bool) -> str | None:
+        """Why the run is done by a budget, or None."""
+        s = self.state
+        where = f"epoch {s.epoch + (s.step_in_epoch > 0)}, global step {s.global_step}"
+        if self.steps_done():
+            return f"--max-steps {self.loop.max_steps} reached ({where})"
+        if time_agreed:
+            return f"--max-time {self.loop.max_time} of training reached ({where})"
+        return None
+
+    def validated(self, row: dict[str, Any]) -> bool:
+        """After a validation's row: count it for early stopping (call before the best
+        value is updated); whether the run stops early (``stopped_early`` says why)."""
+        patience, s = self.loop.early_stop_patience, self.state
+        value = row.get(self.best_metric)
+        if not patience or value is None or value != value:
+            return False
+        delta, best = self.loop.early_stop_min_delta, s.best_value
+        better = best is None or (
+            value < best - delta if self.mode == "min" else value > best + delta
+        )
+        s.bad_validations = 0 if better else s.bad_validations + 1
+        return s.bad_validations >= patience
+
+    def stopped_early(self) -> str | None:
+        """Why early stopping ends the run (now, or in an earlier job of it), or None."""
+        patience, s = self.loop.early_stop_patience, self.state
+        if not patience or s.bad_validations < patience:
+            return None
+        at = "" if s.best_at is None else f" at epoch {s.best_at[0]}, global step {s.best_at[1]}"
+        return (
+            f"early stop: {self.best_metric} did not improve by more than "
+            f"{self.loop.early_stop_min_delta} in {patience} validation(s); the best was "
+            f"{s.best_value:.6g}{at}"
+        )

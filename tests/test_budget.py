@@ -1,0 +1,109 @@
+"""When a run is done (dmltrain/budget.py): --max-steps, --max-time over all the jobs of
+a run, early stopping, and steps.csv. Real processes (--nprocs 2), each stopped by a
+signal in the middle of what it controls and resumed: equal to an uninterrupted run,
+bitwise."""
+
+import csv
+from pathlib import Path
+
+import pytest
+from helpers import AT_ONCE, RANDOM, assert_same_run, log_numbers, run_cli
+
+from dmltrain.checkpoint import list_checkpoints, load_file
+
+# 2 processes x 4: 12 steps an epoch
+BASE = ["tiny", "--nprocs", "2", "--batch-size", "4", "--save-weights", "--progress", "log",
+        "--log-every", "5", *RANDOM]  # fmt: skip
+
+
+def train(run: Path, *args: str, code: int = 0) -> str:
+    done = run_cli(*BASE, "--run-dir", str(run), *args, cwd=run.parent)
+    assert done.returncode == code, done.stderr[-3000:]
+    return done.stdout + done.stderr
+
+
+def signal_at(step: int) -> list[str]:
+    return ["--signal-rank", "1", "--signal-at-step", str(step), *AT_ONCE]
+
+
+def steps_csv(run: Path) -> list[dict[str, str]]:
+    with open(run / "steps.csv", newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+def resumed_equals_uninterrupted(tmp_path: Path, args: list[str], stop_at: int) -> Path:
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    out = train(whole, *args)
+    train(cut, *args, *signal_at(stop_at), code=3)
+    assert train(cut, *args) and (cut / "final_weights.pt").is_file()
+    assert_same_run(whole, cut)
+    return out
+
+
+def test_max_steps_ends_mid_epoch_and_a_resume_equals_the_uninterrupted_run(tmp_path):
+    """--max-steps 20 of 3 epochs of 12: the run ends in epoch 2 with a row for it so far;
+    a OneCycleLR over self.total_steps (20) would raise if stepped more; steps.csv has a
+    row every 5 steps of an epoch (and at its end), the same after a resume."""
+    args = ["--epochs", "3", "--max-steps", "20", "--one-cycle", "--grad-clip", "1.0"]
+    out = resumed_equals_uninterrupted(tmp_path, args, stop_at=15)
+    assert "dmltrain: done: --max-steps 20 reached (epoch 2, global step 20)" in out
+    rows = log_numbers(tmp_path / "whole")
+    assert [(r["epoch"], r["step"]) for r in rows] == [(1, 12), (2, 20)]
+    whole, cut = steps_csv(tmp_path / "whole"), steps_csv(tmp_path / "cut")
+    assert [r["step"] for r in whole] == ["5", "10", "12", "17"]  # every 5 steps of an epoch
+    assert list(whole[0]) == ["step", "epoch", "loss", "samples_per_s", "lr", "grad_norm"]
+    same = [{k: v for k, v in r.items() if k != "samples_per_s"} for r in whole]
+    assert same == [{k: v for k, v in r.items() if k != "samples_per_s"} for r in cut]
+    # Run again: nothing left; raise the limit: it goes on inside epoch 2
+    again = train(tmp_path / "whole", *args)
+    assert "the run is done already (--max-steps 20 reached" in again
+    train(tmp_path / "whole", "--epochs", "3", "--max-steps", "30", "--grad-clip", "1.0")
+    rows = log_numbers(tmp_path / "whole")
+    assert [(r["epoch"], r["step"]) for r in rows] == [(1, 12), (2, 20), (2, 24), (3, 30)]
+
+
+def test_max_time_counts_the_training_time_of_every_job(tmp_path):
+    """--max-time 4 s: a first job trains about 1 s and is preempted; the second ends once
+    both together trained 4 s; every rank stops at the same step (exit 0 from both)."""
+    run = tmp_path / "run"
+    args = ["--epochs", "1000", "--step-sleep", "0.05", "--max-time", "0:04"]
+    train(run, *args, *signal_at(20), code=3)
+    first = load_file(list_checkpoints(run / "checkpoints")[0])["train_seconds"]
+    assert 0.5 < first < 3.5, first
+    out = train(run, *args)
+    assert "dmltrain: done: --max-time 0:04 of training reached" in out
+    state = load_file(list_checkpoints(run / "checkpoints")[0])
+    assert 4.0 <= state["train_seconds"] < 6.0, state["train_seconds"]
+    assert "the run is done already (--max-time 0:04" in train(run, *args)
+
+
+def test_early_stopping_keeps_its_patience_across_a_resume(tmp_path):
+    """Patience 2 and a minimum improvement no validation reaches: validations 2 and 3
+    do not count as improvements, so the run ends after epoch 3. Preempted in epoch 3
+    (one validation without improvement counted), the resumed run still ends after epoch
+    3: the count was in the checkpoint."""
+    args = ["--epochs", "10", "--early-stop-patience", "2", "--early-stop-min-delta", "1000"]
+    out = resumed_equals_uninterrupted(tmp_path, args, stop_at=30)
+    assert [r["epoch"] for r in log_numbers(tmp_path / "whole")] == [1, 2, 3]
+    best = min(log_numbers(tmp_path / "whole"), key=lambda r: r["val_loss"])
+    assert (
+        "dmltrain: done: early stop: val_loss did not improve by more than 1000.0 in 2 "
+        f"validation(s); the best was {best['val_loss']:.6g} at epoch {int(best['epoch'])}, "
+        f"global step {int(best['step'])}"
+    ) in out
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--max-time", "soon"],
+            "--max-time 'soon': give a duration like 2-00:00:00, 12:00:00 or 90 (minutes)",
+        ),
+        (["--max-steps", "-1"], "--max-steps must be >= 0 (got -1)"),
+        (["--early-stop-patience", "-2"], "--early-stop-patience must be >= 0 (got -2)"),
+    ],
+)
+def test_bad_budgets_are_one_line(tmp_path, args, message):
+    done = run_cli("tiny", *args, "--run-dir", str(tmp_path / "r"), cwd=tmp_path)
+    assert done.returncode == 2 and done.stderr.strip() == f"dmltrain: error: {message}"
