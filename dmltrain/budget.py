@@ -26,9 +26,11 @@ def total_steps(loop: LoopConfig, steps_per_epoch: int) -> int:
 
 @dataclass(frozen=True)
 class Done:
-    """A budget ended the run inside an epoch."""
+    """A budget (or early stopping at a validation inside an epoch) ended the run inside
+    an epoch; ``validated``: that validation's row is written already."""
 
     reason: str
+    validated: bool = False
 
 
 class Budget:

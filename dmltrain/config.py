@@ -45,6 +45,13 @@ class LoopConfig:
             "D-HH:MM:SS, HH:MM:SS or minutes ('': off)"
         },
     )
+    val_every_steps: int = field(
+        default=0,
+        metadata={
+            "help": "also validate every N optimizer steps inside an epoch (a training-log "
+            "row each, in the epoch in progress; 0: at epochs' ends only)"
+        },
+    )
     early_stop_patience: int = field(
         default=0,
         metadata={
@@ -101,6 +108,10 @@ class LoopConfig:
     def __post_init__(self) -> None:
         check(self.epochs >= 1, f"--epochs must be at least 1 (got {self.epochs})")
         check(self.max_steps >= 0, f"--max-steps must be >= 0 (got {self.max_steps})")
+        check(
+            self.val_every_steps >= 0,
+            f"--val-every-steps must be >= 0 (got {self.val_every_steps})",
+        )
         check(
             self.early_stop_patience >= 0,
             f"--early-stop-patience must be >= 0 (got {self.early_stop_patience})",

@@ -177,7 +177,9 @@ class BaseTrainer(TrainerHooks):
                 continue
             if isinstance(outcome, str):  # preempted; the checkpoint is saved
                 return outcome
-            best, done = self._end_epoch(epoch, started, partial=outcome is not None)
+            best, done = False, None
+            if not (outcome and outcome.validated):
+                best, done = self._end_epoch(epoch, started, partial=outcome is not None)
             done = done or (outcome and outcome.reason) or budget.reason(self._time_agreed())
             stop = None if done else self._should_stop()
             last = s.epoch >= epochs or done is not None
@@ -204,7 +206,7 @@ class BaseTrainer(TrainerHooks):
         (preempted), the non-finite step to roll back from, the budget that ended the run
         in the epoch, or None at the epoch's end."""
         loop, s = self.config.loop, self.state
-        epoch = s.epoch + 1  # 1-based, as printed and logged
+        epoch, started = s.epoch + 1, time.perf_counter()  # 1-based, as printed and logged
         self.model.train()
         sampler = self.train_loader.sampler
         if isinstance(sampler, data.ResumableSampler):
@@ -225,6 +227,14 @@ class BaseTrainer(TrainerHooks):
             shown = self.progress.step(step, s.metrics.count, s.metrics.compute, self.dist.is_main)
             if shown is not None:  # rank 0, at the log interval
                 self._log_step(epoch, shown)
+            every = loop.val_every_steps
+            if every and s.global_step % every == 0 and step < steps and self.val_loader:
+                best, stop_early = self._end_epoch(s.epoch, started, partial=True)
+                self.model.train()
+                if best:
+                    self.checkpointer.save(best=True)
+                if stop_early:
+                    return Done(stop_early, validated=True)
             self.budget.tick()
             stopping, timed, finished = preemption.agree(
                 self.agreement, self.watcher, self.strategy.max_over_ranks,
@@ -262,8 +272,8 @@ class BaseTrainer(TrainerHooks):
         if self.dist.is_main:
             write_training_log(self.run_dir / "training_log.csv", s.log_rows)
         self.progress.epoch_summary(row)
-        self.on_epoch_end(epoch, row)
         if not partial:
+            self.on_epoch_end(epoch, row)
             s.end_epoch()
             self.epochs_this_job += 1
         stop_early = self.budget.validated(row)  # counted against the best before it

@@ -107,3 +107,27 @@ def test_early_stopping_keeps_its_patience_across_a_resume(tmp_path):
 def test_bad_budgets_are_one_line(tmp_path, args, message):
     done = run_cli("tiny", *args, "--run-dir", str(tmp_path / "r"), cwd=tmp_path)
     assert done.returncode == 2 and done.stderr.strip() == f"dmltrain: error: {message}"
+
+
+def test_validation_every_n_steps_inside_epochs_survives_a_preemption_right_after_one(
+    tmp_path,
+):
+    """--val-every-steps 5 (12 steps an epoch): rows at global steps 5, 10, 12 (the end),
+    15, 20, 24; preempted right after the validation at step 5 (the signal in step 5, the
+    ranks agree at every step), the resumed run neither repeats nor skips one. Early
+    stopping counts these validations too."""
+    args = ["--epochs", "2", "--val-every-steps", "5"]
+    resumed_equals_uninterrupted(tmp_path, args, stop_at=4)
+    rows = log_numbers(tmp_path / "cut")
+    assert [(r["epoch"], r["step"]) for r in rows] == [(1, 5), (1, 10), (1, 12), (2, 15),
+                                                        (2, 20), (2, 24)]  # fmt: skip
+    best = load_file(tmp_path / "cut" / "checkpoints" / "best.pt")
+    assert best["best_value"] == min(r["val_loss"] for r in rows)
+    assert best["global_step"] == next(
+        r["step"] for r in rows if r["val_loss"] == best["best_value"]
+    )
+    early = tmp_path / "early"
+    out = train(early, "--epochs", "5", "--val-every-steps", "5", "--early-stop-patience", "2",
+                "--early-stop-min-delta", "1000")  # fmt: skip
+    assert [r["step"] for r in log_numbers(early)] == [5, 10, 12]
+    assert "dmltrain: done: early stop: val_loss did not improve" in out
