@@ -396,15 +396,17 @@ def test_a_rendezvous_that_a_node_cannot_reach_is_named(two_nodes, tmp_path):
 def test_a_node_marked_down_requeues_the_job_and_it_resumes_bitwise(two_nodes, tiny_reference,
                                                                     tmp_path):  # fmt: skip
     """node2's slurmd stops while the job runs: Slurm marks node2 DOWN (after SlurmdTimeout,
-    20 s on this cluster), cancels the job and requeues it; the ranks stop with a step
+    90 s on this cluster), cancels the job and requeues it; the ranks stop with a step
     checkpoint (SIGTERM). Once node2's slurmd is back, the job resumes bitwise equal."""
-    slow = [*TINY, "--checkpoint-every-steps", "4", "--step-sleep", "3", "--dist-timeout", "20"]
+    # slow until Slurm notices (18 steps of 8 s), fast once requeued
+    slow = [*TINY, "--checkpoint-every-steps", "4", "--step-sleep", "8", "--first-job-only",
+            "--dist-timeout", "20"]  # fmt: skip
     job = sbatch(tmp_path, *slow, options=NODES, env=two_nodes)
     out = tmp_path / "job.out"
     wait_for(lambda: out.exists() and "epoch 1/3 step 2/" in out.read_text(), 120, "training")
     pid = int((CLUSTER / "slurmd-node2.pid").read_text())
     os.kill(pid, signal.SIGKILL)
-    wait_for(lambda: job_field(job, "Restarts", two_nodes) == "1", 120, "the requeue")
+    wait_for(lambda: job_field(job, "Restarts", two_nodes) == "1", 200, "the requeue")
     subprocess.run(["bash", str(TESTS / "cluster" / "two_node_slurm.sh"), "slurmd", "2"],
                    check=True)  # fmt: skip
     wait_for(lambda: nodes_idle(two_nodes), 120, "node2 back")

@@ -29,6 +29,10 @@ class TinyOptions:
     signal_rank: int = field(default=-1, metadata={"help": "this rank sends itself SIGUSR1"})
     signal_at_step: int = field(default=0, metadata={"help": "... at this global step"})
     step_sleep: float = field(default=0.0, metadata={"help": "seconds to sleep each step"})
+    first_job_only: bool = field(
+        default=False,
+        metadata={"help": "--step-sleep only in a Slurm job's first run (not once requeued)"},
+    )
     nan_rank: int = field(default=-1, metadata={"help": "this rank injects a NaN"})
     nan_at_step: int = field(default=0, metadata={"help": "... at this global step"})
     nan_into: str = field(default="loss", metadata={"help": "... into: loss or gradient"})
@@ -146,7 +150,8 @@ class TinyTrainer(BaseTrainer):
                 with open(filler, "wb") as handle:
                     free = shutil.disk_usage(self.run_dir).free
                     os.posix_fallocate(handle.fileno(), 0, free - (64 << 10))
-        if self.opts.step_sleep:
+        requeued = os.environ.get("SLURM_RESTART_COUNT", "0") != "0"
+        if self.opts.step_sleep and not (self.opts.first_job_only and requeued):
             time.sleep(self.opts.step_sleep)  # a slow step, so a test can signal mid-run
         x, y, *index = batch
         if index:

@@ -87,8 +87,10 @@ SlurmctldLogFile=$dir/slurmctld.log
 SlurmdLogFile=$dir/slurmd-%n.log
 MpiDefault=none
 KillWait=10
-# Nodes that stop answering are marked DOWN after 20 s (real clusters: minutes).
-SlurmdTimeout=20
+# Nodes that stop answering are marked DOWN after 90 s (real clusters: minutes): later
+# than a lost node's survivors stop and the batch script requeues the job (about 80 s
+# with the test's --dist-timeout and srun --wait), as on a real cluster.
+SlurmdTimeout=90
 NodeName=node1 NodeAddr=$net.11 CPUs=$(nproc) RealMemory=4000 State=UNKNOWN
 NodeName=node2 NodeAddr=$net.12 CPUs=$(nproc) RealMemory=4000 State=UNKNOWN
 PartitionName=two Nodes=node1,node2 Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4
