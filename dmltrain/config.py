@@ -370,8 +370,18 @@ class PrecisionConfig:
 
 @dataclass(frozen=True)
 class TrackingConfig:
-    """Experiment tracking with Weights & Biases (rank 0 only)."""
+    """Experiment tracking with Weights & Biases and TensorBoard (rank 0 only)."""
 
+    tracker: str = field(
+        default="wandb",
+        metadata={
+            "help": "comma-separated trackers: wandb (as --wandb-mode says), tensorboard "
+            "(RUN_DIR/tensorboard); '' for none"
+        },
+    )
+    tensorboard: bool = field(
+        default=False, metadata={"help": "also write TensorBoard events (adds it to --tracker)"}
+    )
     wandb_mode: Literal["auto", "disabled", "offline", "online"] = field(
         default="auto",
         metadata={"help": "auto: follow WANDB_MODE if it is set, else disabled"},
@@ -391,6 +401,18 @@ class TrackingConfig:
 
     def __post_init__(self) -> None:
         check(self.wandb_init_timeout > 0, "--wandb-init-timeout must be positive")
+        unknown = set(self.trackers()) - {"wandb", "tensorboard"}
+        check(
+            not unknown,
+            f"--tracker: unknown {', '.join(sorted(unknown))}; choose from wandb, tensorboard",
+        )
+
+    def trackers(self) -> list[str]:
+        """The trackers asked for, in order, without repeats."""
+        names = [name.strip() for name in self.tracker.split(",") if name.strip()]
+        if self.tensorboard:
+            names.append("tensorboard")
+        return list(dict.fromkeys(names))
 
 
 # The sections: TrainConfig's attribute, the title of its flags in --help, its dataclass.

@@ -49,7 +49,10 @@ def choose(
     if is_main:
         path = Path(requested or default)
         error = problem(path)
-        resumable = resume == "auto" and list_checkpoints(path / "checkpoints")
+        # a checkpoint to go on from: the directory's own, or a path given (--resume PATH)
+        resumable = resume not in ("auto", "never") or (
+            resume == "auto" and list_checkpoints(path / "checkpoints")
+        )
         if error is None and (path / "training_log.csv").exists() and not resumable:
             error = (
                 f"run directory {path} already holds a run (training_log.csv) with no "

@@ -1,4 +1,5 @@
-"""Experiment tracking: a small interface and its Weights & Biases backend.
+"""Experiment tracking: a small interface, its Weights & Biases and TensorBoard backends
+(``--tracker wandb,tensorboard``, any combination).
 
 Only rank 0 tracks; other ranks get ``Tracker()``, which does nothing. A backend is one
 subclass of ``Tracker`` (the training log, ``training_log.csv``, is written by the trainer
@@ -13,6 +14,12 @@ in every checkpoint; a resumed or requeued job continues the same wandb run
 line, then the run is logged offline under the run directory (``wandb sync`` uploads it
 later); if even that fails, or wandb is not installed: one line, and tracking is off.
 Training never stops for tracking.
+
+TensorBoard (``--tensorboard``; the ``tensorboard`` package) writes the same scalars
+against the same x axis to ``RUN_DIR/tensorboard`` through ``torch.utils.tensorboard``,
+for compute nodes without internet (a wandb offline run cannot be resumed). A resumed
+run writes to the same directory and purges what the earlier job logged after the
+checkpoint's step, so the curves continue without doubled steps.
 """
 
 from collections.abc import Callable
@@ -78,6 +85,105 @@ class WandbTracker(Tracker):
             self._safely("mark the run preempted", self.run.mark_preempting)
         self._safely("finish", lambda: self.run.finish(exit_code=3 if preempted else 0))
         self.active = False
+
+
+class TensorBoardTracker(Tracker):
+    """TensorBoard event files on rank 0; a failing call is reported once and ends it."""
+
+    active = True
+
+    def __init__(self, writer: Any, say: Callable[[str], None]) -> None:
+        self.writer, self.say = writer, say
+        self.step = 0
+
+    def _safely(self, what: str, call: Callable[[], object]) -> None:
+        if not self.active:
+            return
+        try:
+            call()
+        except Exception as exc:
+            self.active = False
+            self.say(f"dmltrain: tensorboard failed to {what} ({first_line(exc)}): it is off")
+
+    def log(self, metrics: dict[str, Any], global_step: int) -> None:
+        self.step = global_step
+
+        def write() -> None:
+            for name, value in metrics.items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    self.writer.add_scalar(name, value, global_step)
+
+        self._safely("log", write)
+
+    def summary(self, values: dict[str, Any]) -> None:
+        self.log({f"summary/{k}": v for k, v in values.items()}, self.step)
+
+    def finish(self, preempted: bool = False) -> None:
+        self._safely("close", self.writer.close)
+        self.active = False
+
+
+class Trackers(Tracker):
+    """Several trackers as one; the run id is wandb's (kept in checkpoints)."""
+
+    def __init__(self, trackers: list[Tracker]) -> None:
+        self.trackers = trackers
+        self.run_id = next((t.run_id for t in trackers if t.run_id), None)
+
+    @property
+    def active(self) -> bool:  # type: ignore[override]
+        return any(t.active for t in self.trackers)
+
+    def log(self, metrics: dict[str, Any], global_step: int) -> None:
+        for tracker in self.trackers:
+            tracker.log(metrics, global_step)
+
+    def summary(self, values: dict[str, Any]) -> None:
+        for tracker in self.trackers:
+            tracker.summary(values)
+
+    def finish(self, preempted: bool = False) -> None:
+        for tracker in self.trackers:
+            tracker.finish(preempted)
+
+
+def create_trackers(
+    settings: TrackingConfig,
+    env_mode: str | None,
+    run_dir: Path,
+    run_id: str | None,
+    global_step: int,
+    experiment: str,
+    config: dict[str, Any],
+    say: Callable[[str], None],
+) -> Tracker:
+    """Rank 0's trackers (``--tracker``), as one."""
+    made = []
+    for name in settings.trackers():
+        if name == "wandb":
+            made.append(
+                create_tracker(settings, env_mode, run_dir, run_id, experiment, config, say)
+            )
+        else:
+            made.append(create_tensorboard(run_dir / "tensorboard", global_step, say))
+    return Trackers(made) if made else Tracker()
+
+
+def create_tensorboard(directory: Path, global_step: int, say: Callable[[str], None]) -> Tracker:
+    """A TensorBoard writer in ``directory``; a resumed run (``global_step`` > 0) purges the
+    events an earlier job wrote after it."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        say("dmltrain: tensorboard is not installed (pip install tensorboard): it is off")
+        return Tracker()
+    try:
+        purge = global_step + 1 if global_step else None
+        writer = SummaryWriter(str(directory), purge_step=purge, flush_secs=30)
+    except Exception as exc:
+        say(f"dmltrain: tensorboard could not start ({first_line(exc)}): it is off")
+        return Tracker()
+    return TensorBoardTracker(writer, say)
 
 
 def create_tracker(

@@ -43,7 +43,7 @@ from dmltrain.precision import Precision, check_available
 from dmltrain.progress import Progress
 from dmltrain.state import TrainState
 from dmltrain.step import OptimizerStep
-from dmltrain.tracking import Tracker, create_tracker
+from dmltrain.tracking import Tracker, create_trackers
 from dmltrain.training_log import StepsLog, read_training_log, write_training_log
 
 
@@ -428,9 +428,10 @@ class BaseTrainer(TrainerHooks):
             )  # fmt: skip
             self.progress.info(rundir.write_records(self.run_dir, text, info))
             self.steps_log = StepsLog(self.run_dir / "steps.csv", self.state.global_step)
-            self.tracker = create_tracker(
+            self.tracker = create_trackers(
                 self.config.tracking, self.environment.wandb_mode, self.run_dir,
-                self.state.tracking_run_id, self.name, plain, self.progress.info,
+                self.state.tracking_run_id, self.state.global_step, self.name, plain,
+                self.progress.info,
             )  # fmt: skip
             self.state.tracking_run_id = self.tracker.run_id
             minutes = self.config.preemption.stop_before_end_minutes  # rank 0 asks Slurm, once

@@ -4,6 +4,7 @@ back record by record (tests/wandb_records.py) instead of mocking wandb."""
 import os
 import time
 
+import pytest
 from helpers import AT_ONCE, cli_env, run_cli
 
 from wandb_records import read_run, runs_in
@@ -127,3 +128,50 @@ def test_without_wandb_installed_training_goes_on(tmp_path):
     done = train(tmp_path, run, WANDB_MODE="offline", PYTHONPATH=path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "wandb is not installed (pip install wandb): tracking is off" in done.stdout
+
+
+def tensorboard_scalars(run) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar of RUN_DIR/tensorboard as TensorBoard reads it (purged steps dropped)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)]
+            for tag in events.Tags()["scalars"]}  # fmt: skip
+
+
+def test_tensorboard_continues_its_curves_across_a_requeue(tmp_path):
+    """--tensorboard on 2 processes, preempted in epoch 2 (rank 1 signalled at step 16),
+    then resumed from the end of epoch 1 (step 12), as after a kill: the events the first
+    job wrote after step 12 are purged, and TensorBoard reads one curve per scalar with
+    each step once, the values wandb got last (here both, --tracker wandb,tensorboard)."""
+    run = tmp_path / "run"
+    args = ["--nprocs", "2", "--batch-size", "4", "--tracker", "wandb,tensorboard"]
+    first = train(tmp_path, run, *args, "--signal-rank", "1", "--signal-at-step", "16",
+                  *AT_ONCE, WANDB_MODE="offline")  # fmt: skip
+    assert first.returncode == 3, first.stderr[-2000:]
+    epoch_end = run / "checkpoints" / "ckpt-000001-00000012.pt"
+    second = train(tmp_path, run, *args, "--resume", str(epoch_end), WANDB_MODE="offline")
+    assert second.returncode == 0, second.stderr[-2000:]
+    scalars = tensorboard_scalars(run)
+    loss = [step for step, _ in scalars["train/loss"]]
+    assert loss == list(range(3, 25, 3)), loss  # every 3 steps of 2 epochs of 12, once each
+    assert [step for step, _ in scalars["val_loss"]] == [12, 24]
+    logged = [read_run(path) for path in runs_in(run)]
+    wandb_loss = {
+        r["global_step"]: r["train/loss"] for w in logged for r in w.history if "train/loss" in r
+    }  # fmt: skip (the second job's value wins)
+    assert {step: value for step, value in scalars["train/loss"]} == pytest.approx(wandb_loss)
+    assert "summary/best_val_loss" in scalars
+
+
+def test_tensorboard_alone_and_a_bad_tracker_name(tmp_path):
+    run = tmp_path / "run"
+    done = train(tmp_path, run, "--tensorboard", "--tracker", "")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not (run / "wandb").exists() and "val_loss" in tensorboard_scalars(run)
+    bad = train(tmp_path, tmp_path / "bad", "--tracker", "wandb,mlflow")
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == (
+        "dmltrain: error: --tracker: unknown mlflow; choose from wandb, tensorboard"
+    )
