@@ -3,6 +3,7 @@
     python -m benchmarks.run            # full mode (about 13 minutes on 2 CPU cores)
     python -m benchmarks.run --quick    # quick mode (minutes; CI runs it as a smoke test)
     python -m benchmarks.run --quick --out /tmp/bench --only overhead,startup
+    python -m benchmarks.run --only collectives --update   # re-run one; keep the others
 
 RESULTS.md: the machine, versions and date, the targets with what was measured, each
 benchmark's table, and the hand-written findings (benchmarks/findings.md: what was slow,
@@ -143,26 +144,41 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="a smoke test: one repetition")
     parser.add_argument("--out", default=str(HERE), help="where RESULTS.md and results.png go")
     parser.add_argument("--only", help=f"comma-separated subset of {','.join(BENCHMARKS)}")
+    parser.add_argument(
+        "--update",
+        action="store_true",
+        help="keep the other benchmarks' sections of OUT/results.json (each says when it ran)",
+    )
     args = parser.parse_args(argv)
     chosen = args.only.split(",") if args.only else BENCHMARKS
     unknown = set(chosen) - set(BENCHMARKS)
     if unknown:
         parser.error(f"unknown benchmark(s) {', '.join(sorted(unknown))}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    mode = "quick" if args.quick else "full"
     reports, started = {}, time.monotonic()
+    if args.update and (out / "results.json").is_file():
+        kept = json.loads((out / "results.json").read_text())
+        reports = {name: kept[name] for name in BENCHMARKS if name in kept}
     for name in chosen:
         print(f"== {name}", flush=True)
         began = time.monotonic()
         module = importlib.import_module(f"benchmarks.{name}")
         reports[name] = module.main(["--quick"] if args.quick else [])
+        reports[name]["written"] = f"{datetime.date.today()}, {mode} mode"
         print(f"== {name}: {time.monotonic() - began:.0f} s", flush=True)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    mode = "quick" if args.quick else "full"
+    reports = {name: reports[name] for name in BENCHMARKS if name in reports}
+    rerun = (
+        f"; re-run: {', '.join(chosen)}, the other sections kept from earlier runs (each "
+        "section says when it ran)."
+    )
     lines = [
         "# Benchmark results",
         "",
         f"Written by `python -m benchmarks.run{' --quick' if args.quick else ''}` on "
-        f"{datetime.date.today()} ({mode} mode, {time.monotonic() - started:.0f} s).",
+        f"{datetime.date.today()} ({mode} mode, {time.monotonic() - started:.0f} s)"
+        + (rerun if args.update else "."),
         f"Machine: {machine()}.",
         f"Versions: {versions()}.",
         "",
@@ -177,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         *(f"| {t} | {m} | {g} | {'yes' if ok else 'NO'} |" for t, m, g, ok in targets(reports)),
     ]
     for name, report in reports.items():
-        lines += ["", f"## {name}", "", report["markdown"]]
+        when = f"Run on {report['written']}.\n\n" if "written" in report else ""
+        lines += ["", f"## {name}", "", when + report["markdown"]]
     findings = HERE / "findings.md"
     if findings.is_file():
         lines += ["", findings.read_text().rstrip()]

@@ -33,6 +33,26 @@ def test_quick_mode_writes_results_and_plot(tmp_path):
     assert (tmp_path / "results.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_update_reruns_one_benchmark_and_keeps_the_others(tmp_path):
+    import json
+
+    ratio = {"mnist --nprocs 2 epoch: after / before": 0.47}
+    earlier = {"threads": {"markdown": "| the earlier table |", "ratios": ratio,
+                           "written": "2020-01-02, full mode"}}  # fmt: skip
+    (tmp_path / "results.json").write_text(json.dumps(earlier))
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--quick", "--only", "collectives", "--update",
+         "--out", str(tmp_path)],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = (tmp_path / "RESULTS.md").read_text()
+    assert "re-run: collectives, the other sections kept from earlier runs" in results
+    assert "## threads\n\nRun on 2020-01-02, full mode.\n\n| the earlier table |" in results
+    assert "## collectives\n\nRun on " in results and ", quick mode." in results
+    assert list(json.loads((tmp_path / "results.json").read_text())) == ["threads", "collectives"]
+
+
 def test_contenders_taking_turns_time_only_their_own_steps():
     """Two loops share the process in turns of 3 steps (benchmarks.common.rotate); each
     clock must time its own steps (2 ms and 20 ms of sleep), never the other's turn."""
