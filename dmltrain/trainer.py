@@ -249,10 +249,11 @@ class BaseTrainer(TrainerHooks):
 
     def _end_epoch(self, epoch: int, started: float, partial: bool) -> tuple[bool, str | None]:
         """Training means, validation and the scheduler's epoch step make the epoch's row of
-        the training log; the row is written, shown and tracked. ``partial``: a budget
-        ended the run inside the epoch (the row is the epoch's so far; it stays in
-        progress). Returns whether the validation is the best so far, and why the run
-        stops early (``--early-stop-patience``) or None."""
+        the training log; the row is written, shown and tracked. ``partial``: a validation
+        inside the epoch (``--val-every-steps``, or a budget that ended the run there): the
+        row is the epoch's so far, and the epoch stays in progress (no scheduler step, no
+        ``on_epoch_end``). Returns whether the validation is the best so far, and why the
+        run stops early (``--early-stop-patience``) or None."""
         s, best_metric = self.state, self.config.checkpoint.best_metric
         train = s.metrics.compute(self.strategy.all_reduce_sum)
         val = self.validate() if self.val_loader is not None else {}
@@ -262,9 +263,8 @@ class BaseTrainer(TrainerHooks):
         row: dict[str, Any] = {"epoch": epoch + 1, "step": s.global_step}
         row.update({f"train_{k}": v for k, v in train.items()})
         row.update({f"val_{k}": v for k, v in val.items()})
-        row.update(
-            lr=lr, world_size=self.dist.world_size
-        )  # changes on a resume (dmltrain.checkpointer)
+        # world_size changes when a run resumes on another number of processes
+        row.update(lr=lr, world_size=self.dist.world_size)
         row["epoch_time_s"] = round(time.perf_counter() - started, 3)
         if self.precision.scaler is not None:  # fp16 steps dropped on overflow, in all
             row["skipped_steps"] = int(self.precision.skipped)
