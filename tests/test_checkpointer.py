@@ -140,15 +140,16 @@ def test_global_batch_size_divides_among_processes_or_says_so(tmp_path):
     assert {len(line) - 2 for line in first} == {4}  # 4 samples a micro-batch on each rank
 
 
-def test_sharded_fsdp_and_horovod_resume_on_one_process(tmp_path, reference):
-    """A sharded (DCP) FSDP checkpoint of 2 ranks is resharded onto 1; a Horovod run of 2
-    goes on under horovodrun -np 1."""
-    fsdp = tmp_path / "fsdp"
-    sharded = ["--strategy", "fsdp", "--checkpoint-format", "sharded"]
-    train(fsdp, *shape(2, 8), *sharded, *STOP_AFTER_STEP_4, code=3)
-    assert (fsdp / "checkpoints" / "ckpt-000001-00000004.dcp").is_dir()
-    train(fsdp, *shape(1, 16), *sharded)
-    assert_same_run(reference, fsdp, rel=1e-5)
+def test_fsdp_and_horovod_resume_on_one_process(tmp_path, reference):
+    """FSDP checkpoints of 2 ranks, sharded (DCP, resharded on load) and full (one file),
+    go on on 1; a Horovod run of 2 goes on under horovodrun -np 1."""
+    for kind, suffix in (("sharded", ".dcp"), ("full", ".pt")):
+        fsdp = tmp_path / f"fsdp-{kind}"
+        flags = ["--strategy", "fsdp", "--checkpoint-format", kind]
+        train(fsdp, *shape(2, 8), *flags, *STOP_AFTER_STEP_4, code=3)
+        assert (fsdp / "checkpoints" / f"ckpt-000001-00000004{suffix}").exists()
+        train(fsdp, *shape(1, 16), *flags)
+        assert_same_run(reference, fsdp, rel=1e-5)
 
     require("horovodrun")
     hvd = tmp_path / "hvd"
