@@ -1,4 +1,4 @@
-"""What ``--check-nans`` costs per training step.
+"""What ``--check-nans`` (or ``--option ema``: ``--ema-decay``) costs per training step.
 
     python benchmarks/nan_check.py            # MNIST CNN, batch 64, 150 steps, 5 processes
     python benchmarks/nan_check.py --quick    # 30 steps, 1 process (a smoke test)
@@ -59,18 +59,25 @@ class Bench(BaseTrainer):
         return F.cross_entropy(self.model(x), y)
 
 
-RUNS = ["off", "on", "off-twin"]  # the unchecked run, the checked one, the unchecked again
+RUNS = ["off", "on", "off-twin"]  # the run without the option, with it, without again
+
+# The options this measures (``--option``): the settings of the "on" run, and the words of
+# the table: (title, the option as typed, the run without it).
+OPTIONS: dict[str, tuple[dict, str, str, str]] = {
+    "nan_check": ({"check_nans": True}, "nan-check", "--check-nans", "unchecked"),
+    "ema": ({"ema_decay": 0.999}, "ema", "--ema-decay 0.999", "without EMA"),
+}
 
 
-def run(name: str, steps: int, block: int, device: str, root: Path) -> float:
+def run(name: str, steps: int, block: int, device: str, root: Path, option: str) -> float:
     config = TrainConfig(
         epochs=1,
         batch_size=64,
-        check_nans=name == "on",
         progress="off",
         wandb_mode="disabled",
         keep_last=1,
         run_dir=str(root / name),
+        **(OPTIONS[option][0] if name == "on" else {}),
     )
     trainer = Bench(config, dist=single_process(device))
     trainer.steps, trainer.block = steps, block
@@ -82,7 +89,9 @@ def worker(args: argparse.Namespace) -> None:
     first = RUNS.index(args.worker)
     order = RUNS[first:] + RUNS[:first]
     runs = {
-        name: functools.partial(run, name, args.steps, args.block, args.device, Path(args.root))
+        name: functools.partial(
+            run, name, args.steps, args.block, args.device, Path(args.root), args.option
+        )
         for name in order
     }
     with contextlib.redirect_stdout(io.StringIO()):  # the runs' banners and epoch lines
@@ -98,6 +107,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--steps", type=int, default=150, help=argparse.SUPPRESS)
     parser.add_argument("--block", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--root", help=argparse.SUPPRESS)
+    parser.add_argument("--option", choices=sorted(OPTIONS), default="nan_check")
     args = parser.parse_args(argv)
     if args.worker:
         worker(args)
@@ -119,6 +129,8 @@ def main(argv: list[str] | None = None) -> dict:
                 args.device,
                 "--root",
                 str(root / str(i)),
+                "--option",
+                args.option,
             ],
         )
         for i in range(processes)
@@ -126,18 +138,19 @@ def main(argv: list[str] | None = None) -> dict:
     ms = {name: 1000 * median(results, name) for name in RUNS}
     ratios = {name: [r[name] / r["off"] for r in results] for name in ("on", "off-twin")}
     ratio = statistics.median(ratios["on"])
+    _, title, typed, without = OPTIONS[args.option]
     text = "\n".join(
         [
-            f"nan-check: MNIST CNN, batch 64, {steps} timed steps each, taking turns every "
+            f"{title}: MNIST CNN, batch 64, {steps} timed steps each, taking turns every "
             f"{block} step(s) in one process, {processes} fresh process(es), device "
             f"{args.device}; ratio: median (range) of the processes'",
-            "| run | ms per step | vs unchecked | range |",
+            f"| run | ms per step | vs {without} | range |",
             "|---|---|---|---|",
-            f"| unchecked | {ms['off']:.2f} | 1.000x | |",
+            f"| {without} | {ms['off']:.2f} | 1.000x | |",
             *(
                 f"| {label} | {ms[name]:.2f} | {statistics.median(ratios[name]):.3f}x | "
                 f"{min(ratios[name]):.3f}-{max(ratios[name]):.3f} |"
-                for name, label in (("on", "--check-nans"), ("off-twin", "unchecked again"))
+                for name, label in (("on", typed), ("off-twin", f"{without} again"))
             ),
         ]
     )
@@ -145,8 +158,9 @@ def main(argv: list[str] | None = None) -> dict:
     twin = ratios["off-twin"]
     return {
         "markdown": text,
-        "ratios": {"nan-check: on / off": ratio},
+        "ratios": {f"{title}: on / off": ratio},
         "twin_range": (min(twin), max(twin)),
+        "ms": ms,
     }
 
 

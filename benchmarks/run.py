@@ -33,6 +33,7 @@ BENCHMARKS = [
     "threads",
     "data_pipeline",
     "collectives",
+    "ema",
 ]
 
 
@@ -110,6 +111,14 @@ def targets(reports: dict) -> list[tuple[str, str, str, bool]]:
         us = dp["augmented, 0 workers"]
         rows.append(("per-sample seeds in the training process (augmented MNIST, 0 workers)",
                      f"{us:+.1f} us a sample", "<= 15 us", us <= 15))  # fmt: skip
+    ema = reports.get("ema", {})
+    if "extra_ms" in ema:
+        low, high = ema["twin_range"]
+        noise = (high - low) / 2 * ema["ms"]["off"]  # how far identical runs land apart, ms
+        rows.append(("--ema-decay: extra time a step vs one _foreach_lerp_ of the weights",
+                     f"{ema['extra_ms']:+.3f} ms vs {ema['lerp_ms']:.3f} ms (identical runs: "
+                     f"+-{noise:.3f} ms)", "<= one lerp + noise",
+                     ema["extra_ms"] <= ema["lerp_ms"] + noise))  # fmt: skip
     co = reports.get("collectives", {}).get("model_1024_ranks_20us")
     if co:
         share, interval, fixed = co["scaled_share"], co["scaled_interval"], co["fixed_share"]

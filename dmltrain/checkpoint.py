@@ -326,22 +326,27 @@ def load_sharded(path: Path, shards: dict[str, Any]) -> None:
         raise UserError(f"cannot load {path}: {first_line(exc)}") from None
 
 
-def consolidate(source: Path, target: Path) -> Path:
-    """One ``.pt`` file (this module's format) from a sharded checkpoint directory."""
+def consolidate(source: Path, target: Path, ema: bool = False) -> Path:
+    """One ``.pt`` file (this module's format) from a sharded checkpoint directory; with
+    ``ema``, its model is the averaged weights (``--ema-decay``), from either kind."""
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    if not is_sharded(source):
+    if not is_sharded(source) and not (ema and source.is_file()):
         raise UserError(f"{source} is not a sharded checkpoint directory (ckpt-*.dcp)")
     state = load_file(source)
+    if ema and "ema" not in state:
+        raise UserError(f"{source} holds no averaged weights (trained without --ema-decay)")
     if target.exists() and target.is_dir():
         target = target / source.with_suffix(FULL).name
-    tmp = target.with_name(f".{target.name}.tmp-consolidate-{os.getpid()}")
-    try:
-        dcp_to_torch_save(str(source), str(tmp))
-        shards = torch.load(tmp, map_location="cpu", weights_only=True)
-    finally:
-        tmp.unlink(missing_ok=True)
-    state.pop("sharded")
-    state.update(model=shards["model"], optimizer=shards.get("optimizer"))
+    if state.pop("sharded", False):
+        tmp = target.with_name(f".{target.name}.tmp-consolidate-{os.getpid()}")
+        try:
+            dcp_to_torch_save(str(source), str(tmp))
+            shards = torch.load(tmp, map_location="cpu", weights_only=True)
+        finally:
+            tmp.unlink(missing_ok=True)
+        state.update(model=shards["model"], optimizer=shards.get("optimizer"))
+    if ema:
+        state["model"] = state["ema"]
     atomic_save(state, target)
     return target

@@ -67,6 +67,7 @@ class Saved:
     scheduler: Any  # an LR scheduler or None
     precision: Precision
     state: TrainState
+    ema: Any = None  # dmltrain.ema.EMA with --ema-decay
 
 
 class Checkpointer:
@@ -149,6 +150,7 @@ class Checkpointer:
                 "epoch_metrics": [r["metrics"] for r in ranks],
                 "rng": [r["rng"] for r in ranks],
                 "world_size": self.dist.world_size,
+                **({"ema": saved.ema.state_dict()} if saved.ema is not None else {}),
                 "config": self.run_config,
                 "optimizer_fresh": fresh,
             }
@@ -227,8 +229,21 @@ class Checkpointer:
             self._resized(state)
         elif load_weights:
             path = Path(load_weights)
+            state = load_file(path)
+            if cfg.ema:  # the averaged weights, as the model's
+                if "ema" not in state:
+                    raise UserError(
+                        f"--ema: {path} holds no averaged weights (trained without "
+                        "--ema-decay); drop --ema to load its weights"
+                    )
+                if state.get("sharded"):
+                    raise UserError(
+                        f"--ema: {path} is sharded; make one file of its averaged weights "
+                        "first: dmltrain consolidate --ema"
+                    )
+                state = {**state, "model": state["ema"]}
             self._load(
-                load_file(path),
+                state,
                 path,
                 cfg.load_optimizer,
                 cfg.load_scheduler,
@@ -371,6 +386,11 @@ class Checkpointer:
             saved.scheduler.load_state_dict(state["scheduler"])
         if scaler:
             saved.precision.load_state_dict(state.get("scaler"))
+        if saved.ema is not None:  # the checkpoint's average, or these weights as the start
+            if counters and "ema" in state:
+                saved.ema.load_state_dict(state["ema"])
+            else:
+                saved.ema.restart()
         if counters:
             rank, world = self.dist.rank, self.dist.world_size
             if state["world_size"] == world:

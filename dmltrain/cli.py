@@ -37,16 +37,24 @@ def _consolidate(args: argparse.Namespace) -> int:
     from dmltrain.checkpoint import consolidate
 
     source = Path(args.checkpoint)
-    target = Path(args.output) if args.output else source.with_suffix(".pt")
-    written = consolidate(source, target)
+    default = source.with_name(source.stem + "-ema.pt") if args.ema else source.with_suffix(".pt")
+    target = Path(args.output) if args.output else default
+    written = consolidate(source, target, ema=args.ema)
     print(f"dmltrain: wrote {written} (load with torch.load(..., weights_only=True))")
     return 0
 
 
 def _add_consolidate(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("checkpoint", help="a sharded checkpoint directory (ckpt-*.dcp)")
+    parser.add_argument(
+        "checkpoint", help="a sharded checkpoint directory (ckpt-*.dcp), or a .pt with --ema"
+    )
     parser.add_argument(
         "-o", "--output", help="file to write (default: the directory's name with .pt)"
+    )
+    parser.add_argument(
+        "--ema",
+        action="store_true",
+        help="the averaged weights (--ema-decay) as the file's model (default output: NAME-ema.pt)",
     )
 
 

@@ -52,6 +52,21 @@ class LoopConfig:
             "row each, in the epoch in progress; 0: at epochs' ends only)"
         },
     )
+    ema_decay: float = field(
+        default=0.0,
+        metadata={
+            "help": "keep an exponential moving average of the weights with this decay, "
+            "e.g. 0.999 (0: off)"
+        },
+    )
+    ema_warmup_steps: int = field(
+        default=0, metadata={"help": "the average copies the weights for the first N steps"}
+    )
+    ema_every_steps: int = field(default=1, metadata={"help": "update the average every N steps"})
+    ema_eval: bool = field(
+        default=True,
+        metadata={"help": "with --ema-decay: validate the average too (val_ema_* columns)"},
+    )
     early_stop_patience: int = field(
         default=0,
         metadata={
@@ -117,6 +132,9 @@ class LoopConfig:
             f"--early-stop-patience must be >= 0 (got {self.early_stop_patience})",
         )
         check(self.early_stop_min_delta >= 0, "--early-stop-min-delta must be >= 0")
+        check(0 <= self.ema_decay < 1, f"--ema-decay must be in [0, 1) (got {self.ema_decay})")
+        check(self.ema_warmup_steps >= 0, "--ema-warmup-steps must be >= 0")
+        check(self.ema_every_steps >= 1, "--ema-every-steps must be at least 1")
         if self.max_time:
             try:
                 seconds = time_limit_seconds(self.max_time)
@@ -285,6 +303,10 @@ class CheckpointConfig:
     )
     load_scaler: bool = field(
         default=False, metadata={"help": "with --load-weights: also load the grad scaler state"}
+    )
+    ema: bool = field(
+        default=False,
+        metadata={"help": "with --load-weights: load the checkpoint's averaged (EMA) weights"},
     )
     load_epoch: bool = field(
         default=False,

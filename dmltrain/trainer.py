@@ -34,6 +34,7 @@ from dmltrain.budget import Budget, Done, total_steps
 from dmltrain.checkpointer import Checkpointer, Saved
 from dmltrain.config import TrainConfig, as_plain, per_process_batch, to_yaml
 from dmltrain.distributed import Strategy, create_strategy, unwrap
+from dmltrain.ema import EMA
 from dmltrain.errors import StopForRequeue, UserError
 from dmltrain.hooks import TrainerHooks
 from dmltrain.launch import DistInfo
@@ -77,6 +78,8 @@ class BaseTrainer(TrainerHooks):
     watcher: preemption.PreemptionWatcher
     agreement: preemption.AgreementSchedule
     steps_log: StepsLog  # steps.csv (rank 0)
+    ema: EMA | None  # the averaged weights (--ema-decay)
+    best_metric: str  # of the training log: best.pt and early stopping
     budget: Budget  # when the run is done: epochs, steps, time, early stopping
     total_steps: int  # optimizer steps by --epochs and --max-steps, known before the first
     precision: Precision
@@ -221,6 +224,8 @@ class BaseTrainer(TrainerHooks):
                 event = self.step.run(micro_batches, epoch, step)
                 if event is not None:
                     return event
+                if self.ema is not None:
+                    self.ema.update(s.global_step + 1)
             s.global_step += 1
             s.step_in_epoch = step
             # rank 0's running means, read at the log interval only
@@ -254,9 +259,12 @@ class BaseTrainer(TrainerHooks):
         row is the epoch's so far, and the epoch stays in progress (no scheduler step, no
         ``on_epoch_end``). Returns whether the validation is the best so far, and why the
         run stops early (``--early-stop-patience``) or None."""
-        s, best_metric = self.state, self.config.checkpoint.best_metric
+        s, best_metric = self.state, self.best_metric
         train = s.metrics.compute(self.strategy.all_reduce_sum)
         val = self.validate() if self.val_loader is not None else {}
+        if val and self.ema is not None and self.config.loop.ema_eval:
+            with self.ema.swapped_in():
+                val.update({f"ema_{k}": v for k, v in self.validate().items()})
         lr = self.optimizer.param_groups[0]["lr"]
         if self.scheduler is not None and self.scheduler_interval == "epoch" and not partial:
             self.scheduler.step()
@@ -358,6 +366,16 @@ class BaseTrainer(TrainerHooks):
         model = self.create_model().to(self.device)
         rng.seed_everything(loop.seed + dist.rank)  # per-rank dropout, augmentation
         self.model = self.strategy.wrap_model(model, self.fsdp_units(model), self.precision.dtype)
+        self.ema = None
+        if loop.ema_decay:
+            if self.strategy.name == "fsdp":
+                raise UserError("--ema-decay does not work with --strategy fsdp yet; use ddp")
+            self.ema = EMA(unwrap(self.model), loop.ema_decay, loop.ema_warmup_steps,
+                           loop.ema_every_steps)  # fmt: skip
+        # best.pt and early stopping follow the average's metric when it is validated
+        self.best_metric = cfg.checkpoint.best_metric
+        if self.ema is not None and loop.ema_eval and self.best_metric.startswith("val_"):
+            self.best_metric = "val_ema_" + self.best_metric[4:]
         if loop.compile:
             self.model = torch.compile(self.model)  # type: ignore[assignment]
         self._setup_data()
@@ -374,14 +392,15 @@ class BaseTrainer(TrainerHooks):
                 self.strategy.all_reduce_sum, self.strategy.all_gather_object,
                 self.run_dir / "nan_report.txt",
             )  # fmt: skip
-        saved = Saved(self.model, self.optimizer, self.scheduler, self.precision, self.state)
+        saved = Saved(self.model, self.optimizer, self.scheduler, self.precision, self.state,
+                      self.ema)  # fmt: skip
         plain = as_plain(cfg, self.options)  # what checkpoints and records hold of the config
         self.checkpointer = Checkpointer(
             cfg.checkpoint, self.run_dir / "checkpoints", saved, self.strategy, plain,
             self.progress.info, self.warn,
         )  # fmt: skip
         self.checkpointer.restore()
-        self.budget = Budget(loop, self.state, cfg.checkpoint.best_metric,
+        self.budget = Budget(loop, self.state, self.best_metric,
                              cfg.checkpoint.best_mode)  # fmt: skip
         if checks.check_nans and checks.on_nan == "rollback" and self.state.global_step == 0:
             self.checkpointer.save(best=False)  # something to roll back to from step 1

@@ -1,0 +1,83 @@
+"""The averaged weights (dmltrain/ema.py): the update rule, and a run of 2 real processes
+with dropout and augmentation preempted mid-epoch and resumed, equal to an uninterrupted
+one bitwise, the average included; best.pt by the average's validation; consolidate --ema
+and --load-weights --ema."""
+
+import subprocess
+import sys
+
+import torch
+from helpers import AT_ONCE, RANDOM, assert_same_run, cli_env, log_numbers, run_cli
+from torch import nn
+
+from dmltrain.checkpoint import list_checkpoints, load_file
+from dmltrain.ema import EMA
+
+# 2 processes x 4: 12 steps an epoch
+BASE = ["tiny", "--nprocs", "2", "--batch-size", "4", "--epochs", "2", "--save-weights",
+        "--progress", "off", "--ema-decay", "0.9", "--ema-warmup-steps", "3",
+        "--ema-every-steps", "2", *RANDOM]  # fmt: skip
+
+
+def test_the_average_copies_during_warm_up_then_moves_by_one_minus_decay():
+    model = nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    ema = EMA(model, decay=0.75, warmup_steps=2, every_steps=2)
+    weight = model[0].weight
+    for step in range(1, 7):
+        with torch.no_grad():
+            weight.add_(1.0)  # an optimizer step
+        before = ema.state_dict()["0.weight"]
+        ema.update(step)
+        after = ema.state_dict()["0.weight"]
+        if step % 2:  # not this step
+            assert torch.equal(after, before)
+        elif step <= 2:  # warm-up: a copy
+            assert torch.equal(after, weight.detach())
+        else:
+            assert torch.allclose(after, before + 0.25 * (weight.detach() - before))
+    state = ema.state_dict()
+    assert set(state) == set(model.state_dict())  # num_batches_tracked copied, not averaged
+    with ema.swapped_in():
+        assert torch.equal(model[0].weight, state["0.weight"])
+    assert not torch.equal(model[0].weight, state["0.weight"])  # the weights are back
+
+
+def test_a_resumed_run_keeps_its_average_bit_for_bit(tmp_path):
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    done = run_cli(*BASE, "--run-dir", str(whole), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    stop = ["--signal-rank", "1", "--signal-at-step", "8", *AT_ONCE]
+    assert run_cli(*BASE, "--run-dir", str(cut), *stop, cwd=tmp_path).returncode == 3
+    done = run_cli(*BASE, "--run-dir", str(cut), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_same_run(whole, cut)  # weights, and the log with val_ema_loss
+    a, b = (load_file(list_checkpoints(run / "checkpoints")[0])["ema"] for run in (whole, cut))
+    assert list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
+    rows = log_numbers(whole)
+    assert all("val_ema_loss" in row for row in rows)
+    best = load_file(whole / "checkpoints" / "best.pt")
+    assert best["best_value"] == min(row["val_ema_loss"] for row in rows)
+
+    # One file whose model is the average, and a run that starts from it
+    done = subprocess.run(
+        [sys.executable, "-m", "dmltrain", "consolidate", "--ema",
+         str(whole / "checkpoints" / "latest.pt"), "-o", str(tmp_path / "avg.pt")],
+        cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    averaged = torch.load(tmp_path / "avg.pt", weights_only=True)["model"]
+    assert all(torch.equal(averaged[k], a[k]) for k in a)
+    done = run_cli("tiny", "--epochs", "1", "--progress", "off", "--run-dir",
+                   str(tmp_path / "plain"), cwd=tmp_path)  # fmt: skip
+    no_average = run_cli("tiny", "--run-dir", str(tmp_path / "x"), "--load-weights",
+                         str(tmp_path / "plain" / "checkpoints" / "latest.pt"), "--ema",
+                         cwd=tmp_path)  # fmt: skip
+    assert no_average.returncode == 2
+    assert "holds no averaged weights (trained without --ema-decay)" in no_average.stderr
+
+
+def test_ema_with_fsdp_is_one_line(tmp_path):
+    done = run_cli("tiny", "--nprocs", "2", "--strategy", "fsdp", "--ema-decay", "0.9",
+                   "--run-dir", str(tmp_path / "r"), cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 2
+    assert "--ema-decay does not work with --strategy fsdp yet; use ddp" in done.stderr
