@@ -141,6 +141,7 @@ class Checkpointer:
         fresh = not saved.optimizer.state
         partial = state.metrics.state_dict() if state.step_in_epoch else None
         ranks = strategy.all_gather_object({"rng": rng_state(), "metrics": partial})
+        ema = None if saved.ema is None else saved.ema.state_dict()  # every rank (FSDP gathers)
         meta = None
         if main:
             meta = {
@@ -150,7 +151,7 @@ class Checkpointer:
                 "epoch_metrics": [r["metrics"] for r in ranks],
                 "rng": [r["rng"] for r in ranks],
                 "world_size": self.dist.world_size,
-                **({"ema": saved.ema.state_dict()} if saved.ema is not None else {}),
+                **({"ema": ema} if ema is not None else {}),
                 "config": self.run_config,
                 "optimizer_fresh": fresh,
             }

@@ -7,10 +7,15 @@ ema)``. Until ``--ema-warmup-steps`` it copies the weights instead; it is update
 ``--ema-every-steps`` steps. Other buffers (counters such as BatchNorm's
 ``num_batches_tracked``) are copied. It is in every checkpoint under the model's own
 parameter names, so a resumed run goes on with the same average, bit for bit.
+
+Under FSDP each rank averages its own shard of each parameter (the local tensor of the
+``DTensor``); a checkpoint holds the whole average (``state_dict`` gathers it: every rank
+calls it), and loading one hands each rank its shard again.
 """
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -19,9 +24,18 @@ from torch import Tensor, nn
 class EMA:
     def __init__(self, model: nn.Module, decay: float, warmup_steps: int, every_steps: int):
         self.decay, self.warmup_steps, self.every_steps = decay, warmup_steps, every_steps
-        named = [*model.named_parameters(), *model.named_buffers()]
-        self.names = [name for name, t in named if t.is_floating_point()]
-        self.live = [t.detach() for _, t in named if t.is_floating_point()]  # views
+        named = [(n, t) for n, t in [*model.named_parameters(), *model.named_buffers()]
+                 if t.is_floating_point()]  # fmt: skip
+        self.names = [name for name, _ in named]
+        # FSDP's DTensor (None otherwise): its mesh and placements gather and shard the average
+        self.sharded: list[Any] = [
+            t if getattr(t, "device_mesh", None) is not None else None for _, t in named
+        ]
+        # views of the weights (of this rank's shard under FSDP)
+        self.live: list[Tensor] = [
+            d.detach().to_local() if d is not None else t.detach()
+            for (_, t), d in zip(named, self.sharded, strict=True)
+        ]
         self.average = [t.clone() for t in self.live]
         self.copied = [(name, t) for name, t in model.named_buffers() if not t.is_floating_point()]
 
@@ -35,13 +49,35 @@ class EMA:
             torch._foreach_lerp_(self.average, self.live, 1.0 - self.decay)
 
     def state_dict(self) -> dict[str, Tensor]:
-        """The averaged weights under the model's names (a model ``state_dict``)."""
-        state = {name: t.detach().clone() for name, t in zip(self.names, self.average, strict=True)}
+        """The averaged weights under the model's names (a model ``state_dict``), whole
+        (under FSDP a collective: every rank calls it)."""
+        state = {}
+        for name, average, dtensor in zip(self.names, self.average, self.sharded, strict=True):
+            if dtensor is None:
+                state[name] = average.detach().clone()
+            else:
+                from torch.distributed.tensor import DTensor
+
+                mesh, placements = dtensor.device_mesh, dtensor.placements
+                whole = DTensor.from_local(
+                    average, mesh, placements, shape=dtensor.shape, stride=dtensor.stride()
+                )
+                state[name] = whole.full_tensor().cpu()
         state.update({name: t.detach().clone() for name, t in self.copied})
         return state
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:
-        torch._foreach_copy_(self.average, [state[name] for name in self.names])
+        """From ``state_dict``'s whole tensors (under FSDP each rank takes its shard)."""
+        values = []
+        for name, average, dtensor in zip(self.names, self.average, self.sharded, strict=True):
+            value = state[name].to(average.device)
+            if dtensor is not None:
+                from torch.distributed.tensor import distribute_tensor
+
+                value = distribute_tensor(value, dtensor.device_mesh, dtensor.placements)
+                value = value.to_local()
+            values.append(value)
+        torch._foreach_copy_(self.average, values)
 
     def restart(self) -> None:
         """The average starts again from the weights as they are (loaded ones)."""

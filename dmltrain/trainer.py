@@ -368,8 +368,6 @@ class BaseTrainer(TrainerHooks):
         self.model = self.strategy.wrap_model(model, self.fsdp_units(model), self.precision.dtype)
         self.ema = None
         if loop.ema_decay:
-            if self.strategy.name == "fsdp":
-                raise UserError("--ema-decay does not work with --strategy fsdp yet; use ddp")
             self.ema = EMA(unwrap(self.model), loop.ema_decay, loop.ema_warmup_steps,
                            loop.ema_every_steps)  # fmt: skip
         # best.pt and early stopping follow the average's metric when it is validated

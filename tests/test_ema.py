@@ -1,7 +1,7 @@
 """The averaged weights (dmltrain/ema.py): the update rule, and a run of 2 real processes
 with dropout and augmentation preempted mid-epoch and resumed, equal to an uninterrupted
-one bitwise, the average included; best.pt by the average's validation; consolidate --ema
-and --load-weights --ema."""
+one bitwise, the average included (under DDP and FSDP); best.pt by the average's
+validation; consolidate --ema and --load-weights --ema."""
 
 import subprocess
 import sys
@@ -76,8 +76,32 @@ def test_a_resumed_run_keeps_its_average_bit_for_bit(tmp_path):
     assert "holds no averaged weights (trained without --ema-decay)" in no_average.stderr
 
 
-def test_ema_with_fsdp_is_one_line(tmp_path):
-    done = run_cli("tiny", "--nprocs", "2", "--strategy", "fsdp", "--ema-decay", "0.9",
-                   "--run-dir", str(tmp_path / "r"), cwd=tmp_path)  # fmt: skip
-    assert done.returncode == 2
-    assert "--ema-decay does not work with --strategy fsdp yet; use ddp" in done.stderr
+def test_under_fsdp_each_rank_averages_its_shard_and_a_resume_keeps_it(tmp_path):
+    """FSDP: every rank averages its shard of each weight; a checkpoint holds the whole
+    average (gathered), in full and sharded checkpoints alike, and a resumed run equals an
+    uninterrupted one bitwise, the average included. consolidate --ema of the sharded one
+    gives the same average."""
+    averages = {}
+    for kind in ("full", "sharded"):
+        args = [*BASE, "--strategy", "fsdp", "--checkpoint-format", kind]
+        whole, cut = tmp_path / f"whole-{kind}", tmp_path / f"cut-{kind}"
+        assert run_cli(*args, "--run-dir", str(whole), cwd=tmp_path).returncode == 0
+        stop = ["--signal-rank", "0", "--signal-at-step", "8", *AT_ONCE]
+        assert run_cli(*args, "--run-dir", str(cut), *stop, cwd=tmp_path).returncode == 3
+        done = run_cli(*args, "--run-dir", str(cut), cwd=tmp_path)
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert_same_run(whole, cut)
+        a, b = (load_file(list_checkpoints(r / "checkpoints")[0])["ema"] for r in (whole, cut))
+        assert all(torch.equal(a[k], b[k]) for k in a)
+        averages[kind] = a
+    full, sharded = averages["full"], averages["sharded"]
+    assert all(torch.allclose(full[k], sharded[k], rtol=1e-5, atol=1e-7) for k in full)
+    newest = list_checkpoints(tmp_path / "cut-sharded" / "checkpoints")[0]
+    done = subprocess.run(
+        [sys.executable, "-m", "dmltrain", "consolidate", "--ema", str(newest), "-o",
+         str(tmp_path / "avg.pt")],
+        cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    model = torch.load(tmp_path / "avg.pt", weights_only=True)["model"]
+    assert all(torch.equal(model[k], sharded[k]) for k in sharded)
