@@ -161,7 +161,11 @@ def test_config_mismatch_on_resume_is_refused_and_nothing_overwritten(tmp_path):
     again = run_cli(*TINY, "--batch-size", "4", "--run-dir", str(run), cwd=tmp_path)
     assert again.returncode == 2
     (line,) = again.stderr.strip().splitlines()
-    assert "cannot resume" in line and "batch_size is 4 now but was 8" in line
+    assert "cannot resume" in line and "the global batch would be 4 (1 process(es) x " \
+        "--batch-size 4 x --grad-accum 1) but was 8 (1 x 8 x 1); keep it with " \
+        "--global-batch-size 8 (or --batch-size 8)" in line  # fmt: skip
+    seed = run_cli(*TINY, "--seed", "5", "--run-dir", str(run), cwd=tmp_path)
+    assert seed.returncode == 2 and "seed is 5 now but was 0" in seed.stderr
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
     missing = run_cli(
         *TINY, "--resume", str(tmp_path / "no.pt"), "--run-dir", str(tmp_path / "r2"), cwd=tmp_path
