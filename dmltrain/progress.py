@@ -36,6 +36,9 @@ def for_workers(mode: str) -> str:
     return "log" if mode == "auto" and in_notebook() else mode
 
 
+NOT_SHOWN = ("epoch", "step", "world_size")  # in training_log.csv, not in the epoch's line
+
+
 class Progress:
     def __init__(
         self,
@@ -103,6 +106,8 @@ class Progress:
             )
         return {**metrics, "samples_per_s": rate}
 
-    def epoch_summary(self, row: dict[str, Any]) -> None:
-        shown = " ".join(f"{k} {_fmt(v)}" for k, v in row.items() if k != "epoch")
-        self.info(f"epoch {row['epoch']}/{self._epochs} {shown}")
+    def epoch_summary(self, row: dict[str, Any], partial: bool = False) -> None:
+        """A training-log row as a line; one from inside the epoch names its global step."""
+        shown = " ".join(f"{k} {_fmt(v)}" for k, v in row.items() if k not in NOT_SHOWN)
+        inside = f" (step {row['step']})" if partial else ""
+        self.info(f"epoch {row['epoch']}/{self._epochs}{inside} {shown}")

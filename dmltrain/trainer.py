@@ -279,7 +279,7 @@ class BaseTrainer(TrainerHooks):
         s.log_rows.append(row)
         if self.dist.is_main:
             write_training_log(self.run_dir / "training_log.csv", s.log_rows)
-        self.progress.epoch_summary(row)
+        self.progress.epoch_summary(row, partial)
         if not partial:
             self.on_epoch_end(epoch, row)
             s.end_epoch()

@@ -51,6 +51,7 @@ def test_spawn_writes_once_from_rank_0(reference):
         "config.yaml",
         "diagnostics.json",
         "final_weights.pt",
+        "steps.csv",
         "training_log.csv",
     ]
     assert done.stdout.count("epoch 1/3 train_loss") == 1  # one summary, from rank 0
