@@ -46,24 +46,12 @@ class Tracker:
         """Close the run; ``preempted``: it will be resumed by a later job."""
 
 
-def new_run_id() -> str:
-    import secrets
-
-    return secrets.token_hex(4)  # wandb's own ids are 8 lowercase letters and digits
-
-
-class WandbTracker(Tracker):
-    """A wandb run on rank 0. A failing call is reported once and ends tracking, never
-    the training."""
+class _Guarded(Tracker):
+    """A backend whose failing call is reported once and ends it, never the training."""
 
     active = True
-
-    def __init__(self, run: Any, say: Callable[[str], None]) -> None:
-        self.run = run
-        self.run_id = run.id
-        self.say = say
-        run.define_metric("global_step")
-        run.define_metric("*", step_metric="global_step")
+    say: Callable[[str], None]
+    failed = "{what} failed"  # the line, with {what} and {why}
 
     def _safely(self, what: str, call: Callable[[], object]) -> None:
         if not self.active:
@@ -72,7 +60,27 @@ class WandbTracker(Tracker):
             call()
         except Exception as exc:
             self.active = False
-            self.say(f"dmltrain: wandb failed to {what} ({first_line(exc)}): tracking is off")
+            self.say("dmltrain: " + self.failed.format(what=what, why=first_line(exc)))
+
+
+def new_run_id() -> str:
+    import secrets
+
+    return secrets.token_hex(4)  # wandb's own ids are 8 lowercase letters and digits
+
+
+class WandbTracker(_Guarded):
+    """A wandb run on rank 0. A failing call is reported once and ends tracking, never
+    the training."""
+
+    failed = "wandb failed to {what} ({why}): tracking is off"
+
+    def __init__(self, run: Any, say: Callable[[str], None]) -> None:
+        self.run = run
+        self.run_id = run.id
+        self.say = say
+        run.define_metric("global_step")
+        run.define_metric("*", step_metric="global_step")
 
     def log(self, metrics: dict[str, Any], global_step: int) -> None:
         self._safely("log", lambda: self.run.log({**metrics, "global_step": global_step}))
@@ -87,23 +95,14 @@ class WandbTracker(Tracker):
         self.active = False
 
 
-class TensorBoardTracker(Tracker):
+class TensorBoardTracker(_Guarded):
     """TensorBoard event files on rank 0; a failing call is reported once and ends it."""
 
-    active = True
+    failed = "tensorboard failed to {what} ({why}): it is off"
 
     def __init__(self, writer: Any, say: Callable[[str], None]) -> None:
         self.writer, self.say = writer, say
         self.step = 0
-
-    def _safely(self, what: str, call: Callable[[], object]) -> None:
-        if not self.active:
-            return
-        try:
-            call()
-        except Exception as exc:
-            self.active = False
-            self.say(f"dmltrain: tensorboard failed to {what} ({first_line(exc)}): it is off")
 
     def log(self, metrics: dict[str, Any], global_step: int) -> None:
         self.step = global_step
