@@ -304,9 +304,26 @@ class CheckpointConfig:
     load_scaler: bool = field(
         default=False, metadata={"help": "with --load-weights: also load the grad scaler state"}
     )
+    evaluate: str | None = field(
+        default=None,
+        metadata={
+            "help": "validate (and test) this checkpoint's weights, no training; writes "
+            "RUN_DIR/eval_metrics.json"
+        },
+    )
+    predict: str | None = field(
+        default=None,
+        metadata={
+            "help": "predict_step over the test (else validation) data with this checkpoint's "
+            "weights; writes RUN_DIR/predictions/"
+        },
+    )
     ema: bool = field(
         default=False,
-        metadata={"help": "with --load-weights: load the checkpoint's averaged (EMA) weights"},
+        metadata={
+            "help": "with --load-weights, --evaluate or --predict: the checkpoint's averaged "
+            "(EMA) weights"
+        },
     )
     load_epoch: bool = field(
         default=False,
@@ -318,6 +335,19 @@ class CheckpointConfig:
         check(self.checkpoint_every_minutes >= 0, "--checkpoint-every-minutes must be >= 0")
         check(self.keep_last >= 0, f"--keep-last must be >= 0 (got {self.keep_last})")
         check(self.resume != "", "--resume must be auto, never or a checkpoint path")
+        check(
+            not (self.evaluate and self.predict),
+            "--evaluate and --predict are separate runs: give one of them",
+        )
+        check(
+            not (self.load_weights and (self.evaluate or self.predict)),
+            "--evaluate and --predict load the checkpoint they name: drop --load-weights",
+        )
+
+    @property
+    def evaluating(self) -> str | None:
+        """The checkpoint of an --evaluate or --predict run (no training), or None."""
+        return self.evaluate or self.predict
 
 
 @dataclass(frozen=True)

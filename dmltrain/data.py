@@ -155,13 +155,15 @@ class ResumableSampler(DistributedSampler):
 
 class ShardSampler(Sampler[tuple[int, int]]):
     """Validation keys: rank r of w takes samples r, r+w, r+2w, ... With ``pad`` every
-    rank gets as many (the first samples repeat), for models whose forward is collective
-    (FSDP); without, metrics stay exact sample-weighted means."""
+    rank gets as many (the first samples repeat, at the end of a shard), for models whose
+    forward is collective (FSDP); ``real`` says how many of a shard's samples are not
+    padding (``evaluation.real_batches`` leaves the rest out of metrics)."""
 
     def __init__(self, dataset: Dataset, rank: int, world_size: int, pad: bool = False) -> None:
         n = len(dataset)  # type: ignore[arg-type]
         total = -(-n // world_size) * world_size if pad and n else n
         self.indices = [i % n for i in range(rank, total, world_size)]
+        self.real = len(range(rank, n, world_size))  # the first ones; the rest is padding
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
         return iter([(VALIDATION, index) for index in self.indices])

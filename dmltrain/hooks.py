@@ -56,6 +56,19 @@ class TrainerHooks(abc.ABC):
         loss, metrics = split_step_output(self.train_step(batch))
         return {"loss": loss, **metrics}
 
+    def create_test_dataset(self) -> Dataset | None:
+        """A test dataset for ``--evaluate`` (``test_*`` metrics) and ``--predict``; None."""
+        return None
+
+    def test_step(self, batch: Any) -> Mapping[str, Tensor | float]:
+        """Test metrics of one batch (``--evaluate``); by default ``val_step``'s."""
+        return self.val_step(batch)
+
+    def predict_step(self, batch: Any) -> Any:
+        """What ``--predict`` writes for one batch: a tensor with a row a sample, or a dict,
+        tuple or list of those. No default: an experiment that predicts defines it."""
+        raise NotImplementedError
+
     def prepare_data(self) -> None:
         """Download or unpack data; runs on one process per node before create_datasets."""
 

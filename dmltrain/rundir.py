@@ -41,10 +41,16 @@ def check(path: Path) -> None:
 
 
 def choose(
-    requested: str | None, default: str, resume: str, is_main: bool, broadcast: Callable[[Any], Any]
+    requested: str | None,
+    default: str,
+    resume: str,
+    is_main: bool,
+    broadcast: Callable[[Any], Any],
+    evaluating: bool = False,
 ) -> Path:
     """Rank 0 decides (``requested``, else ``default``) and checks the directory, creating
-    it; every rank gets its decision: the path, or the ``UserError`` saying why not."""
+    it; every rank gets its decision: the path, or the ``UserError`` saying why not. An
+    evaluation (``evaluating``) may write into any run's directory: it adds its own files."""
     decision: tuple[str, str | None] = ("", None)
     if is_main:
         path = Path(requested or default)
@@ -53,7 +59,7 @@ def choose(
         resumable = resume not in ("auto", "never") or (
             resume == "auto" and list_checkpoints(path / "checkpoints")
         )
-        if error is None and (path / "training_log.csv").exists() and not resumable:
+        if error is None and (path / "training_log.csv").exists() and not (resumable or evaluating):
             error = (
                 f"run directory {path} already holds a run (training_log.csv) with no "
                 "checkpoint to resume; pass a new --run-dir to start another"

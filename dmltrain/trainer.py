@@ -8,9 +8,13 @@ its concern: ``state``, ``nan``, ``precision``, ``distributed``, ``data``, ``run
 ``processes``.
 """
 
+import contextlib
+import dataclasses
+import json
 import math
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +25,7 @@ from torch.utils.data import DataLoader
 from dmltrain import (
     data,
     diagnostics,
+    evaluation,
     launch,
     preemption,
     processes,
@@ -29,7 +34,7 @@ from dmltrain import (
     rundir,
     threads,
 )
-from dmltrain.batches import batch_size_of, chunks, to_device
+from dmltrain.batches import chunks
 from dmltrain.budget import Budget, Done, total_steps
 from dmltrain.checkpointer import Checkpointer, Saved
 from dmltrain.config import TrainConfig, as_plain, per_process_batch, to_yaml
@@ -38,7 +43,6 @@ from dmltrain.ema import EMA
 from dmltrain.errors import StopForRequeue, UserError
 from dmltrain.hooks import TrainerHooks
 from dmltrain.launch import DistInfo
-from dmltrain.metrics import MetricAccumulator
 from dmltrain.nan import NanChecker, NanEvent
 from dmltrain.precision import Precision, check_available
 from dmltrain.progress import Progress
@@ -138,9 +142,10 @@ class BaseTrainer(TrainerHooks):
         # Signals are caught from here on (setup can take long); the loop acts on them.
         self.watcher = preemption.PreemptionWatcher(self.config.preemption.signal_names())
         self.agreement = preemption.AgreementSchedule(self.config.preemption.preempt_check_seconds)
+        evaluating, results = self.config.checkpoint.evaluating, None
         try:
             self.setup()
-            stopped = self._train()
+            stopped, results = (None, [self._evaluate()]) if evaluating else (self._train(), None)
             self.tracker.finish(preempted=stopped is not None)
         except Exception as exc:
             self.tracker.finish()
@@ -155,7 +160,19 @@ class BaseTrainer(TrainerHooks):
             self.strategy.teardown()
         if stopped is not None:
             raise StopForRequeue(stopped)
-        return self.state.log_rows
+        return results or self.state.log_rows
+
+    def evaluate(self, checkpoint: str | Path, ema: bool = False) -> dict[str, Any]:
+        """``--evaluate``: the validation (and test) metrics of ``checkpoint``'s weights (its
+        average with ``ema``), written to RUN_DIR/eval_metrics.json. On a trainer not fitted."""
+        self.config = self.config.replace(evaluate=str(checkpoint), ema=ema)
+        return self.fit()[0]
+
+    def predict(self, checkpoint: str | Path, ema: bool = False) -> Path:
+        """``--predict``: ``predict_step``'s outputs with ``checkpoint``'s weights over the test
+        (else validation) data; returns RUN_DIR/predictions/predictions.pt."""
+        self.config = self.config.replace(predict=str(checkpoint), ema=ema)
+        return Path(self.fit()[0]["predictions"])
 
     def _train(self) -> str | None:
         """The run, epoch by epoch, until it is done (``budget``). Returns why it stopped
@@ -326,21 +343,66 @@ class BaseTrainer(TrainerHooks):
             f"{self.state.step_in_epoch}; exit status 3"
         )
 
-    @torch.no_grad()
     def validate(self) -> dict[str, float]:
-        """Validation on each rank's shard; the DDP wrapper is bypassed (no collectives)."""
+        """Validation over the ranks' shards, every sample counted once."""
         assert self.val_loader is not None
+        with self._evaluating_model():
+            return self.evaluator.metrics(self.val_loader, self.val_step)[0]
+
+    @contextlib.contextmanager
+    def _evaluating_model(self) -> Iterator[None]:
+        """``self.model`` in eval mode, bypassing the DDP wrapper (no collectives)."""
         wrapped, self.model = self.model, self.strategy.eval_model(self.model)
         try:
             self.model.eval()
-            metrics = MetricAccumulator(self.device)
-            for batch in data.iterate(self.val_loader):
-                batch = to_device(batch, self.device)
-                step_metrics = self.precision.forward(self.val_step, batch)
-                metrics.update(step_metrics, batch_size_of(batch))
+            yield
         finally:
             self.model = wrapped
-        return metrics.compute(self.strategy.all_reduce_sum)
+
+    def _evaluate(self) -> dict[str, Any]:
+        """--evaluate / --predict: the loaded checkpoint's weights over the validation and
+        test data, no training. Rank 0 writes the results and returns them."""
+        cfg, seed = self.config.checkpoint, self.config.loop.seed
+        test_set = self.create_test_dataset()
+        test = None
+        if test_set is not None:
+            test = self.create_dataloader(data.keyed(test_set, seed), train=False)
+        results: dict[str, Any] = {"checkpoint": cfg.evaluating, "ema": cfg.ema}
+        with self._evaluating_model():
+            if cfg.predict:
+                return {**results, **self._predict(test or self.val_loader)}
+            for prefix, loader, step in (("val", self.val_loader, self.val_step),
+                                         ("test", test, self.test_step)):  # fmt: skip
+                if loader is not None:
+                    metrics, count = self.evaluator.metrics(loader, step)
+                    results.update({f"{prefix}_{k}": v for k, v in metrics.items()})
+                    results[f"{prefix}_samples"] = count
+        if len(results) == 2:
+            raise UserError(f"--evaluate: {self.name} has no validation or test dataset")
+        path = self.run_dir / "eval_metrics.json"
+        if self.dist.is_main:
+            evaluation.write_metrics(path, results)
+            shown = ", ".join(f"{k} {v:.6g}" for k, v in results.items() if "_" in k)
+            self.progress.info(f"dmltrain: evaluated {cfg.evaluating}: {shown} -> {path}")
+        return results
+
+    def _predict(self, loader: DataLoader | None) -> dict[str, Any]:
+        if loader is None:
+            raise UserError(f"--predict: {self.name} has no test or validation dataset")
+        if type(self).predict_step is TrainerHooks.predict_step:
+            raise UserError(
+                f"--predict: {type(self).__name__} defines no predict_step(batch); add one "
+                "returning what to write for a batch"
+            )
+        directory = self.run_dir / "predictions"
+        count = self.evaluator.predict(loader, self.predict_step, directory, self.dist.rank)
+        self.strategy.barrier()
+        path = directory / "predictions.pt"
+        if self.dist.is_main:
+            evaluation.merge(directory, self.dist.world_size)
+            used = self.config.checkpoint.evaluating
+            self.progress.info(f"dmltrain: predicted with {used} -> {path}")
+        return {"predictions": str(path), "rank_samples": count}
 
     # ----- setup -----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -351,10 +413,11 @@ class BaseTrainer(TrainerHooks):
         self.progress = Progress(
             loop.progress, dist.is_main, loop.log_every, world_size=dist.world_size
         )
-        default = rundir.default_path(self.name, dist.job_id)
+        evaluating = cfg.checkpoint.evaluating  # --evaluate/--predict: no training
+        default = rundir.default_path(self.name + ("-eval" if evaluating else ""), dist.job_id)
         self.run_dir = rundir.choose(
             loop.run_dir, default, cfg.checkpoint.resume, dist.is_main,
-            self.strategy.broadcast_object,
+            self.strategy.broadcast_object, evaluating=bool(evaluating),
         )  # fmt: skip
         self.config = cfg = cfg.replace(run_dir=str(self.run_dir))
         # Every rank's host and CPUs: each takes its share of its cores (dmltrain.threads).
@@ -362,12 +425,13 @@ class BaseTrainer(TrainerHooks):
         threads.assign(cfg.distributed.threads, cfg.data.num_workers, self.ranks)
         torch.set_num_threads(self.ranks[dist.rank]["threads"])
         self.precision = Precision(cfg.numerics.precision, self.device)
+        self.evaluator = evaluation.Evaluator(self.strategy, self.precision, self.device)
         torch.manual_seed(loop.seed)  # the same initial weights on every rank
         model = self.create_model().to(self.device)
         rng.seed_everything(loop.seed + dist.rank)  # per-rank dropout, augmentation
         self.model = self.strategy.wrap_model(model, self.fsdp_units(model), self.precision.dtype)
         self.ema = None
-        if loop.ema_decay:
+        if loop.ema_decay and not evaluating:
             self.ema = EMA(unwrap(self.model), loop.ema_decay, loop.ema_warmup_steps,
                            loop.ema_every_steps)  # fmt: skip
         # best.pt and early stopping follow the average's metric when it is validated
@@ -393,11 +457,19 @@ class BaseTrainer(TrainerHooks):
         saved = Saved(self.model, self.optimizer, self.scheduler, self.precision, self.state,
                       self.ema)  # fmt: skip
         plain = as_plain(cfg, self.options)  # what checkpoints and records hold of the config
+        restoring = cfg.checkpoint
+        if evaluating:  # the named checkpoint's weights alone; this run saves nothing
+            restoring = dataclasses.replace(
+                restoring, resume="never", load_weights=evaluating, evaluate=None, predict=None,
+                load_optimizer=False, load_scheduler=False, load_scaler=False, load_epoch=False,
+            )  # fmt: skip
         self.checkpointer = Checkpointer(
-            cfg.checkpoint, self.run_dir / "checkpoints", saved, self.strategy, plain,
+            restoring, self.run_dir / "checkpoints", saved, self.strategy, plain,
             self.progress.info, self.warn,
         )  # fmt: skip
         self.checkpointer.restore()
+        if evaluating:
+            return
         self.budget = Budget(loop, self.state, self.best_metric,
                              cfg.checkpoint.best_mode)  # fmt: skip
         if checks.check_nans and checks.on_nan == "rollback" and self.state.global_step == 0:
@@ -457,10 +529,16 @@ class BaseTrainer(TrainerHooks):
 
     def _spawn_workers(self) -> list[dict[str, Any]]:
         """``--nprocs N``: start N workers here and wait (``processes.spawn_fits``)."""
-        run_dir = Path(self.config.run_dir or rundir.default_path(self.name, self.dist.job_id))
+        evaluating = self.config.checkpoint.evaluating
+        name = self.name + ("-eval" if evaluating else "")
+        run_dir = Path(self.config.run_dir or rundir.default_path(name, self.dist.job_id))
         rundir.check(run_dir)
         config = self.config.replace(
             run_dir=str(run_dir), progress=progress.for_workers(self.config.loop.progress)
         )
         processes.spawn_fits(type(self), self.name, config, self.options, self.dist)
+        if self.config.checkpoint.predict:
+            return [{"predictions": str(run_dir / "predictions" / "predictions.pt")}]
+        if evaluating:
+            return [json.loads((run_dir / "eval_metrics.json").read_text())]
         return read_training_log(run_dir / "training_log.csv")

@@ -98,6 +98,11 @@ class MnistTrainer(BaseTrainer):
         accuracy = (logits.argmax(dim=1) == labels).float().mean()
         return {"loss": F.cross_entropy(logits, labels), "acc": accuracy}
 
+    def predict_step(self, batch):  # --predict: the digit read, and its logits
+        images, _ = batch
+        logits = self.model(images)
+        return {"digit": logits.argmax(dim=1), "logits": logits}
+
 
 EXPERIMENT = register_experiment(
     "mnist", MnistTrainer, MnistOptions, help="the classic CNN on MNIST (bundled sample offline)"

@@ -13,6 +13,7 @@ from helpers import AT_ONCE, cli_env, log_numbers, require, run_cli, signal_at_l
 from dmltrain.checkpoint import load_file
 from dmltrain.launch import free_port
 from dmltrain.training_log import read_training_log
+from experiments import mnist_data
 
 COLUMNS = ["epoch", "step", "train_loss", "val_loss", "val_acc", "lr", "world_size", "epoch_time_s"]
 
@@ -124,3 +125,26 @@ def test_mnist_under_every_launcher_ends_bitwise_equal(
     reference = json.loads((mnist_reference / "diagnostics.json").read_text())["ranks"]
     assert [r["threads"] for r in ranks] == [r["threads"] for r in reference]
     assert_same_mnist(mnist_reference, run)
+
+
+def test_mnist_evaluate_and_predict_count_every_digit_once(mnist_reference, tmp_path):
+    """--evaluate and --predict of the reference's checkpoint on 3 FSDP ranks, whose
+    validation shards are padded (1,000 digits): the metrics of the run's last validation
+    (2 ranks, no padding), and a prediction for each digit in the dataset's order."""
+    checkpoint = str(mnist_reference / "checkpoints" / "latest.pt")
+    three = ["--nprocs", "3", "--strategy", "fsdp", "--progress", "off"]
+    done = run_cli(*MNIST, *three, "--evaluate", checkpoint, "--run-dir", "eval", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    metrics = json.loads((tmp_path / "eval" / "eval_metrics.json").read_text())
+    row = log_numbers(mnist_reference)[-1]
+    assert metrics["val_samples"] == 1000
+    assert metrics["val_loss"] == pytest.approx(row["val_loss"], rel=1e-5)
+    assert metrics["val_acc"] == pytest.approx(row["val_acc"], abs=1e-9)
+    done = run_cli(*MNIST, *three, "--predict", checkpoint, "--run-dir", "pred", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    merged = torch.load(tmp_path / "pred" / "predictions" / "predictions.pt")
+    assert torch.equal(merged["indices"], torch.arange(1000))
+    digits, logits = merged["outputs"]["digit"], merged["outputs"]["logits"]
+    assert logits.shape == (1000, 10) and torch.equal(digits, logits.argmax(dim=1))
+    labels = mnist_data.load(tmp_path / "none", True, "not here", None)[1].tensors[1]
+    assert int((digits == labels).sum()) == round(row["val_acc"] * 1000)

@@ -59,11 +59,21 @@ class TinyOptions:
         default=False,
         metadata={"help": "a OneCycleLR schedule stepped each step over self.total_steps"},
     )
+    val_samples: int = field(default=32, metadata={"help": "validation samples"})
+    test_samples: int = field(default=0, metadata={"help": "test samples (0: no test set)"})
     record_samples: bool = field(
         default=False,
         metadata={"help": "each rank appends 'EPOCH STEP INDEX...' of its batches to "
                   "RUN_DIR/samples.RANK.txt"},
     )  # fmt: skip
+
+
+def tiny_data(o: TinyOptions) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every sample: training, then validation, then test."""
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(o.samples + o.val_samples + o.test_samples, o.features, generator=g)
+    y = x.sum(dim=1, keepdim=True) + 0.1 * torch.randn(len(x), 1, generator=g)
+    return x, y
 
 
 class WrapperNames(nn.Module):
@@ -125,14 +135,31 @@ class TinyTrainer(BaseTrainer):
         return torch.optim.lr_scheduler.OneCycleLR(optimizer, 0.01, total_steps=self.total_steps)
 
     def create_datasets(self):
-        g = torch.Generator().manual_seed(1234)
-        x = torch.randn(self.opts.samples + 32, self.opts.features, generator=g)
-        y = x.sum(dim=1, keepdim=True) + 0.1 * torch.randn(len(x), 1, generator=g)
-        n = self.opts.samples
+        x, y = self._data()
+        n, val = self.opts.samples, self.opts.val_samples
         train = TensorDataset(x[:n], y[:n])
         if self.opts.record_samples:
             train = TensorDataset(x[:n], y[:n], torch.arange(n))
-        return Augmented(train) if self.opts.augment else train, TensorDataset(x[n:], y[n:])
+        validation = TensorDataset(x[n : n + val], y[n : n + val])
+        return Augmented(train) if self.opts.augment else train, validation
+
+    def _data(self):
+        return tiny_data(self.opts)
+
+    def create_test_dataset(self):
+        if not self.opts.test_samples:
+            return None
+        x, y = self._data()
+        start = self.opts.samples + self.opts.val_samples
+        return TensorDataset(x[start:], y[start:])
+
+    def test_step(self, batch):
+        x, y = batch
+        return {"loss": F.mse_loss(self.model(x), y), "mae": F.l1_loss(self.model(x), y)}
+
+    def predict_step(self, batch):
+        x, _ = batch
+        return {"y": self.model(x)}
 
     def train_step(self, batch):
         o = self.opts

@@ -1,0 +1,194 @@
+"""Evaluation exact over a dataset, and predictions in the dataset's order.
+
+Under FSDP every rank must run as many forwards as the others (the forward is collective),
+so its validation sampler pads the shorter shards with repeats of the first samples
+(``data.ShardSampler``, at most one a rank, at the end of its shard). ``real_batches``
+trims those from the last batch before its forward; a batch made only of padding still
+runs (the collectives stay matched) and is marked to be left out. Metrics and predictions
+then count every sample once.
+
+``--predict``: each rank writes its outputs, with the dataset indices they belong to, to
+``predictions/rank-N.pt``; rank 0 merges them into ``predictions/predictions.pt`` in the
+dataset's order (``merge``).
+"""
+
+import json
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from dmltrain import data
+from dmltrain.batches import batch_size_of, to_device
+from dmltrain.distributed import Strategy
+from dmltrain.errors import UserError
+from dmltrain.metrics import MetricAccumulator
+from dmltrain.precision import Precision
+
+Output = Any  # a tensor, or a dict, tuple or list of them (lists: one item a sample)
+
+
+@dataclass(frozen=True)
+class Evaluator:
+    """Runs a step over a loader's batches without gradients, under the run's precision.
+    The caller puts the model in eval mode (the trainer's ``evaluating_model``)."""
+
+    strategy: Strategy
+    precision: Precision
+    device: torch.device
+
+    def batches(self, loader: DataLoader, step: Callable[[Any], Any]) -> Iterator[tuple[Any, int]]:
+        """``(step's output, how many samples it counts)`` per batch (``real_batches``)."""
+        with torch.no_grad():
+            for batch, n in real_batches(loader, data.iterate(loader)):
+                yield self.precision.forward(step, to_device(batch, self.device)), n
+
+    def metrics(
+        self, loader: DataLoader, step: Callable[[Any], Any]
+    ) -> tuple[dict[str, float], int]:
+        """The sample-weighted means of ``step``'s metrics over every rank's shard, and the
+        number of samples they count (one collective each)."""
+        metrics = MetricAccumulator(self.device)
+        for values, n in self.batches(loader, step):
+            if n:
+                metrics.update(values, n)
+        count = torch.tensor([float(metrics.count)], device=self.device)
+        total = int(self.strategy.all_reduce_sum(count).item())
+        return metrics.compute(self.strategy.all_reduce_sum), total
+
+    def predict(
+        self, loader: DataLoader, step: Callable[[Any], Any], directory: Path, rank: int
+    ) -> int:
+        """This rank's outputs to ``directory/rank-N.pt``; returns how many."""
+        outputs = [to_cpu(out) for out, n in self.batches(loader, step) if n]
+        count = sum(_length(out) for out in outputs)
+        write_rank(directory, rank, sample_indices(loader, count), outputs)
+        return count
+
+
+def _length(output: Output) -> int:
+    if isinstance(output, Tensor | list):
+        return len(output)
+    if isinstance(output, Mapping):
+        return _length(next(iter(output.values())))
+    if isinstance(output, tuple):
+        return _length(output[0])
+    raise UserError(_kind_error(output))
+
+
+def real_batches(loader: DataLoader, batches: Iterable[Any]) -> Iterator[tuple[Any, int]]:
+    """``(batch, n)``: the loader's batches with the sampler's padding trimmed off, and how
+    many of the batch's samples count (0: a batch of padding alone, run only to keep the
+    ranks' collectives matched). A sampler that does not say how many of its samples are
+    real (``real``) counts them all."""
+    real = getattr(loader.sampler, "real", None)
+    for batch in batches:
+        n = batch_size_of(batch)
+        if real is None:
+            yield batch, n
+            continue
+        keep = min(n, real)
+        real -= keep
+        yield (batch if keep in (n, 0) else take(batch, keep)), keep
+
+
+def take(batch: Any, n: int) -> Any:
+    """The first ``n`` samples of a (nested) batch, as ``batch_size_of`` reads one: tensors
+    sliced, dicts, tuples and lists of them taken apart (the default collate makes a list
+    of a sample's fields); a list of plain items (strings, numbers) is an item a sample."""
+    if isinstance(batch, Tensor):
+        return batch[:n]
+    if isinstance(batch, Mapping):
+        return {key: take(value, n) for key, value in batch.items()}
+    if isinstance(batch, list) and not any(isinstance(v, _CONTAINERS) for v in batch):
+        return batch[:n]
+    if isinstance(batch, tuple | list):
+        return type(batch)(take(value, n) for value in batch)
+    return batch
+
+
+_CONTAINERS = (Tensor, Mapping, tuple, list)
+
+
+def _select(output: Output, order: Tensor) -> Output:
+    if isinstance(output, Tensor):
+        return output[order]
+    if isinstance(output, list):
+        return [output[i] for i in order.tolist()]
+    if isinstance(output, Mapping):
+        return {key: _select(value, order) for key, value in output.items()}
+    if isinstance(output, tuple):
+        return tuple(_select(value, order) for value in output)
+    raise UserError(_kind_error(output))
+
+
+def _kind_error(output: Any) -> str:
+    return (
+        f"predict_step returned a {type(output).__name__}: return a tensor (a row a sample), "
+        "or a dict, tuple or list of those (a list: one item a sample)"
+    )
+
+
+def concatenate(outputs: list[Output]) -> Output:
+    """One output from a batch's each: tensors along dim 0, lists joined, dicts and tuples
+    by key and position."""
+    first = outputs[0]
+    if isinstance(first, Tensor):
+        return torch.cat(outputs)
+    if isinstance(first, list):
+        return [item for output in outputs for item in output]
+    if isinstance(first, Mapping):
+        return {key: concatenate([output[key] for output in outputs]) for key in first}
+    if isinstance(first, tuple):
+        return tuple(concatenate(list(parts)) for parts in zip(*outputs, strict=True))
+    raise UserError(_kind_error(first))
+
+
+def to_cpu(output: Output) -> Output:
+    if isinstance(output, Tensor):
+        return output.detach().cpu()
+    if isinstance(output, Mapping):
+        return {key: to_cpu(value) for key, value in output.items()}
+    if isinstance(output, tuple | list):
+        return type(output)(to_cpu(value) for value in output)
+    return output
+
+
+def sample_indices(loader: DataLoader, count: int) -> list[int]:
+    """The dataset indices of this rank's first ``count`` samples (dmltrain's samplers)."""
+    indices = getattr(loader.sampler, "indices", None)
+    if indices is None:
+        raise UserError(
+            "--predict needs dmltrain's validation sampler (strategy.val_sampler) to know "
+            "which samples each rank predicts; use it in create_dataloader"
+        )
+    return list(indices[:count])
+
+
+def write_rank(directory: Path, rank: int, indices: list[int], outputs: list[Output]) -> Path:
+    """This rank's predictions: ``{"indices": LongTensor, "outputs": ...}``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"rank-{rank}.pt"
+    joined = concatenate(outputs) if outputs else None
+    torch.save({"indices": torch.tensor(indices, dtype=torch.long), "outputs": joined}, path)
+    return path
+
+
+def merge(directory: Path, world_size: int) -> Path:
+    """The ranks' files as one, ``predictions.pt``, in the dataset's order."""
+    parts = [torch.load(directory / f"rank-{r}.pt", weights_only=False) for r in range(world_size)]
+    parts = [part for part in parts if part["outputs"] is not None]
+    indices = torch.cat([part["indices"] for part in parts])
+    outputs = concatenate([part["outputs"] for part in parts])
+    order = torch.argsort(indices)
+    path = directory / "predictions.pt"
+    torch.save({"indices": indices[order], "outputs": _select(outputs, order)}, path)
+    return path
+
+
+def write_metrics(path: Path, metrics: Mapping[str, Any]) -> None:
+    path.write_text(json.dumps(dict(metrics), indent=2) + "\n")
