@@ -10,6 +10,7 @@ holds the same value and takes the same decision; its count is in every checkpoi
 """
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,8 +35,14 @@ class Done:
 
 
 class Budget:
-    def __init__(self, loop: LoopConfig, state: TrainState, best_metric: str, mode: str) -> None:
-        self.loop, self.state = loop, state
+    """The run's limits, read from ``state``; ``epochs_per_job`` (--epochs-per-job) ends a
+    job, not the run."""
+
+    def __init__(
+        self, loop: LoopConfig, state: TrainState, best_metric: str, mode: str,
+        epochs_per_job: int = 0,
+    ) -> None:  # fmt: skip
+        self.loop, self.state, self.epochs_per_job = loop, state, epochs_per_job
         self.best_metric, self.mode = best_metric, mode
         self.max_seconds = time_limit_seconds(loop.max_time) if loop.max_time else None
         self._base = state.train_seconds  # the earlier jobs' time
@@ -55,6 +62,24 @@ class Budget:
     def time_done(self) -> bool:
         """This rank's view (agree before acting on it)."""
         return self.max_seconds is not None and self.state.train_seconds >= self.max_seconds
+
+    def time_agreed(self, max_over_ranks: Callable[[list[int]], list[int]]) -> bool:
+        """Whether any rank's clock says the --max-time budget is spent (a collective,
+        only with a time budget)."""
+        if self.max_seconds is None:
+            return False
+        self.tick()
+        return bool(max_over_ranks([self.time_done()])[0])
+
+    def job_done(self, epochs_this_job: int) -> str | None:
+        """Why this job stops after its epoch, to go on in a later job, or None."""
+        done, epochs = self.state.epoch, self.loop.epochs
+        if self.epochs_per_job and epochs_this_job >= self.epochs_per_job and done < epochs:
+            return (
+                f"{epochs_this_job} epoch(s) done in this job (--epochs-per-job), "
+                f"{done}/{epochs} in all; exit status 3: requeue to go on"
+            )
+        return None
 
     def reason(self, time_agreed: bool) -> str | None:
         """Why the run is done by a budget, or None."""

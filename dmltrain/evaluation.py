@@ -26,6 +26,7 @@ from dmltrain import data
 from dmltrain.batches import batch_size_of, to_device
 from dmltrain.distributed import Strategy
 from dmltrain.errors import UserError
+from dmltrain.launch import DistInfo
 from dmltrain.metrics import MetricAccumulator
 from dmltrain.precision import Precision
 
@@ -60,14 +61,32 @@ class Evaluator:
         total = int(self.strategy.all_reduce_sum(count).item())
         return metrics.compute(self.strategy.all_reduce_sum), total
 
+    def evaluate(
+        self, sets: Mapping[str, tuple[DataLoader | None, Callable[[Any], Any]]]
+    ) -> dict[str, float | int]:
+        """``{prefix_metric: mean, prefix_samples: count}`` of each named ``(loader, step)``
+        that has a loader."""
+        results: dict[str, float | int] = {}
+        for prefix, (loader, step) in sets.items():
+            if loader is not None:
+                metrics, count = self.metrics(loader, step)
+                results.update({f"{prefix}_{k}": v for k, v in metrics.items()})
+                results[f"{prefix}_samples"] = count
+        return results
+
     def predict(
-        self, loader: DataLoader, step: Callable[[Any], Any], directory: Path, rank: int
-    ) -> int:
-        """This rank's outputs to ``directory/rank-N.pt``; returns how many."""
+        self, loader: DataLoader, step: Callable[[Any], Any], run_dir: Path, dist: DistInfo
+    ) -> Path:
+        """Each rank's outputs to ``RUN_DIR/predictions/rank-N.pt``, then rank 0 merges them
+        (``merge``); returns the merged file's path."""
+        directory = run_dir / "predictions"
         outputs = [to_cpu(out) for out, n in self.batches(loader, step) if n]
         count = sum(_length(out) for out in outputs)
-        write_rank(directory, rank, sample_indices(loader, count), outputs)
-        return count
+        write_rank(directory, dist.rank, sample_indices(loader, count), outputs)
+        self.strategy.barrier()
+        if dist.is_main:
+            merge(directory, dist.world_size)
+        return directory / "predictions.pt"
 
 
 def _length(output: Output) -> int:

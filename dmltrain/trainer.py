@@ -3,7 +3,7 @@
 ``fit`` sets up and runs ``_train``: epochs (``_train_epoch``) of optimizer steps
 (``dmltrain.step``), each epoch ended by validation and a row of the training log
 (``_end_epoch``), checkpoints when due (``checkpointer``), and a stop when the ranks agree
-on one (``preemption``, ``_should_stop``). Everything else is composed from the module of
+on one (``preemption``, ``budget``). Everything else is composed from the module of
 its concern: ``state``, ``nan``, ``precision``, ``distributed``, ``data``, ``rundir``,
 ``processes``.
 """
@@ -200,8 +200,9 @@ class BaseTrainer(TrainerHooks):
             best, done = False, None
             if not (outcome and outcome.validated):
                 best, done = self._end_epoch(epoch, started, partial=outcome is not None)
-            done = done or (outcome and outcome.reason) or budget.reason(self._time_agreed())
-            stop = None if done else self._should_stop()
+            timed = budget.time_agreed(self.strategy.max_over_ranks)
+            done = done or (outcome and outcome.reason) or budget.reason(timed)
+            stop = None if done else budget.job_done(self.epochs_this_job)
             last = s.epoch >= epochs or done is not None
             self.checkpointer.maybe_save(
                 epoch_end=True, best=best, stopping=stop is not None, last=last
@@ -213,13 +214,6 @@ class BaseTrainer(TrainerHooks):
         self.on_train_end()
         self.checkpointer.wait()
         return None
-
-    def _time_agreed(self) -> bool:
-        """Whether any rank's clock says the --max-time budget is spent (a collective)."""
-        if self.budget.max_seconds is None:
-            return False
-        self.budget.tick()
-        return bool(self.strategy.max_over_ranks([self.budget.time_done()])[0])
 
     def _train_epoch(self) -> str | NanEvent | Done | None:
         """The epoch's steps from where the run is. Returns why the run stops here
@@ -309,18 +303,6 @@ class BaseTrainer(TrainerHooks):
             self.tracker.summary({f"best_{best_metric}": s.best_value, "best_epoch": epoch + 1})
         return best, self.budget.stopped_early() if stop_early else None
 
-    def _should_stop(self) -> str | None:
-        """Why the run stops after this epoch to go on in a later job, or None."""
-        per_job, done, epochs = (
-            self.config.preemption.epochs_per_job, self.state.epoch, self.config.loop.epochs,
-        )  # fmt: skip
-        if per_job and self.epochs_this_job >= per_job and done < epochs:
-            return (
-                f"{self.epochs_this_job} epoch(s) done in this job (--epochs-per-job), "
-                f"{done}/{epochs} in all; exit status 3: requeue to go on"
-            )
-        return None
-
     def _log_step(self, epoch: int, shown: dict[str, float]) -> None:
         """The step scalars at a log interval (rank 0): steps.csv and the tracker."""
         values = {**shown, "lr": self.optimizer.param_groups[0]["lr"]}
@@ -361,48 +343,36 @@ class BaseTrainer(TrainerHooks):
 
     def _evaluate(self) -> dict[str, Any]:
         """--evaluate / --predict: the loaded checkpoint's weights over the validation and
-        test data, no training. Rank 0 writes the results and returns them."""
-        cfg, seed = self.config.checkpoint, self.config.loop.seed
+        test data, no training (``evaluation``). Rank 0 writes and shows the results."""
+        cfg, name = self.config.checkpoint, self.name
         test_set = self.create_test_dataset()
         test = None
         if test_set is not None:
-            test = self.create_dataloader(data.keyed(test_set, seed), train=False)
+            test = self.create_dataloader(data.keyed(test_set, self.config.loop.seed), False)
         results: dict[str, Any] = {"checkpoint": cfg.evaluating, "ema": cfg.ema}
         with self._evaluating_model():
             if cfg.predict:
-                return {**results, **self._predict(test or self.val_loader)}
-            for prefix, loader, step in (("val", self.val_loader, self.val_step),
-                                         ("test", test, self.test_step)):  # fmt: skip
-                if loader is not None:
-                    metrics, count = self.evaluator.metrics(loader, step)
-                    results.update({f"{prefix}_{k}": v for k, v in metrics.items()})
-                    results[f"{prefix}_samples"] = count
+                if type(self).predict_step is TrainerHooks.predict_step:
+                    raise UserError(
+                        f"--predict: {type(self).__name__} defines no predict_step(batch); "
+                        "add one returning what to write for a batch"
+                    )
+                loader = test or self.val_loader
+                if loader is None:
+                    raise UserError(f"--predict: {name} has no test or validation dataset")
+                path = self.evaluator.predict(loader, self.predict_step, self.run_dir, self.dist)
+                self.progress.info(f"dmltrain: predicted with {cfg.evaluating} -> {path}")
+                return {**results, "predictions": str(path)}
+            sets = {"val": (self.val_loader, self.val_step), "test": (test, self.test_step)}
+            results.update(self.evaluator.evaluate(sets))
         if len(results) == 2:
-            raise UserError(f"--evaluate: {self.name} has no validation or test dataset")
+            raise UserError(f"--evaluate: {name} has no validation or test dataset")
         path = self.run_dir / "eval_metrics.json"
         if self.dist.is_main:
             evaluation.write_metrics(path, results)
             shown = ", ".join(f"{k} {v:.6g}" for k, v in results.items() if "_" in k)
             self.progress.info(f"dmltrain: evaluated {cfg.evaluating}: {shown} -> {path}")
         return results
-
-    def _predict(self, loader: DataLoader | None) -> dict[str, Any]:
-        if loader is None:
-            raise UserError(f"--predict: {self.name} has no test or validation dataset")
-        if type(self).predict_step is TrainerHooks.predict_step:
-            raise UserError(
-                f"--predict: {type(self).__name__} defines no predict_step(batch); add one "
-                "returning what to write for a batch"
-            )
-        directory = self.run_dir / "predictions"
-        count = self.evaluator.predict(loader, self.predict_step, directory, self.dist.rank)
-        self.strategy.barrier()
-        path = directory / "predictions.pt"
-        if self.dist.is_main:
-            evaluation.merge(directory, self.dist.world_size)
-            used = self.config.checkpoint.evaluating
-            self.progress.info(f"dmltrain: predicted with {used} -> {path}")
-        return {"predictions": str(path), "rank_samples": count}
 
     # ----- setup -----------------------------------------------------------------------------
     def setup(self) -> None:
@@ -470,8 +440,8 @@ class BaseTrainer(TrainerHooks):
         self.checkpointer.restore()
         if evaluating:
             return
-        self.budget = Budget(loop, self.state, self.best_metric,
-                             cfg.checkpoint.best_mode)  # fmt: skip
+        self.budget = Budget(loop, self.state, self.best_metric, cfg.checkpoint.best_mode,
+                             cfg.preemption.epochs_per_job)  # fmt: skip
         if checks.check_nans and checks.on_nan == "rollback" and self.state.global_step == 0:
             self.checkpointer.save(best=False)  # something to roll back to from step 1
         per_step = self.scheduler if self.scheduler_interval == "step" else None
