@@ -450,9 +450,17 @@ class TrackingConfig:
     wandb_init_timeout: float = field(
         default=60.0, metadata={"help": "seconds to wait for wandb to start before giving up"}
     )
+    straggler_factor: float = field(
+        default=1.2,
+        metadata={
+            "help": "warn about a rank slower than the median of the others by this factor for two "
+            "log intervals (every rank's numbers: RUN_DIR/ranks.csv)"
+        },
+    )
 
     def __post_init__(self) -> None:
         check(self.wandb_init_timeout > 0, "--wandb-init-timeout must be positive")
+        check(self.straggler_factor > 1, "--straggler-factor must be above 1")
         unknown = set(self.trackers()) - {"wandb", "tensorboard"}
         check(
             not unknown,

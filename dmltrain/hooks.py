@@ -69,6 +69,11 @@ class TrainerHooks(abc.ABC):
         tuple or list of those. No default: an experiment that predicts defines it."""
         raise NotImplementedError
 
+    def flops_per_sample(self) -> float | None:
+        """Training FLOPs of one sample (forward and backward, about 3x the forward's), for
+        the achieved TFLOP/s and MFU at each log interval; None: not shown."""
+        return None
+
     def prepare_data(self) -> None:
         """Download or unpack data; runs on one process per node before create_datasets."""
 

@@ -1,8 +1,11 @@
 """``dmltrain plot RUN_DIR``: the loss and metric curves of ``training_log.csv`` as a PNG,
-and the step scalars of ``steps.csv`` by step beside them where the run wrote it."""
+and beside them, where the run wrote them: the step scalars of ``steps.csv`` by step, the
+throughput and the share of time spent waiting for data, and each rank's own time a step
+(``ranks.csv``)."""
 
 import csv
 from pathlib import Path
+from typing import Any
 
 from dmltrain.errors import UserError
 from dmltrain.training_log import read_training_log
@@ -31,17 +34,36 @@ def plot_run(run_dir: Path, output: Path | None = None) -> Path:
     columns = [c for c in rows[0] if c not in NOT_CURVES]
     losses = [c for c in columns if c.endswith("loss")]
     others = [c for c in columns if c not in losses] or ["lr"]
-    steps = _steps(run_dir / "steps.csv")
-    panels = 3 if steps else 2
+    steps = _rows(run_dir / "steps.csv")
+    ranks = _rows(run_dir / "ranks.csv")
+    throughput = bool(steps) and "samples_per_s" in steps[0]
+    panels = 2 + bool(steps) + throughput + bool(ranks)
     figure, axes = plt.subplots(1, panels, figsize=(SIZE[0] / 2 * panels, SIZE[1]), dpi=DPI)
+    extra = iter(axes[2:])
     if steps:
-        by_step = axes[2]
+        by_step = next(extra)
         for name in (n for n in BY_STEP if n in steps[0]):
             by_step.plot([r["step"] for r in steps], [r[name] for r in steps], label=name)
-        by_step.set_xlabel("step")
-        by_step.set_title("steps.csv")
-        by_step.grid(alpha=0.3)
-        by_step.legend()
+        _finish(by_step, "steps.csv")
+    if throughput:  # samples/s, and the share of time spent waiting for data
+        axis = next(extra)
+        x = [r["step"] for r in steps]
+        axis.plot(x, [r["samples_per_s"] for r in steps], label="samples/s")
+        if "data_wait" in steps[0]:
+            wait = axis.twinx()
+            wait.plot(x, [r["data_wait"] for r in steps], color="tab:red", label="data wait")
+            wait.set_ylim(0, 1)
+            wait.set_ylabel("data wait (share)", color="tab:red")
+        _finish(axis, "throughput")
+    if ranks:  # each rank's own time a step (data wait + train_step)
+        axis = next(extra)
+        for rank in sorted({int(r["rank"]) for r in ranks}):
+            mine = [r for r in ranks if int(r["rank"]) == rank]
+            axis.plot([r["step"] for r in mine],
+                      [1e3 * (r["data_wait_s"] + r["compute_s"]) for r in mine],
+                      label=f"rank {rank}")  # fmt: skip
+        axis.set_ylabel("ms a step (data wait + train_step)")
+        _finish(axis, "ranks.csv", legend=len(axis.lines) <= 16)
     left, right = axes[0], axes[1]
     for axis, names, title in ((left, losses, "loss"), (right, others, "metrics")):
         for name in names:
@@ -60,8 +82,18 @@ def plot_run(run_dir: Path, output: Path | None = None) -> Path:
     return output
 
 
-def _steps(path: Path) -> list[dict[str, float]]:
+def _finish(axis: Any, title: str, legend: bool = True) -> None:
+    axis.set_xlabel("step")
+    axis.set_title(title)
+    axis.grid(alpha=0.3)
+    if legend:
+        axis.legend()
+
+
+def _rows(path: Path) -> list[dict[str, float]]:
+    """A CSV's numeric columns (``host`` and other text left out)."""
     if not path.is_file():
         return []
     with open(path, newline="") as handle:
-        return [{k: float(v) for k, v in row.items() if v} for row in csv.DictReader(handle)]
+        rows = list(csv.DictReader(handle))
+    return [{k: float(v) for k, v in row.items() if v and k != "host"} for row in rows]

@@ -85,17 +85,18 @@ class Progress:
         samples: int,
         read_metrics: Callable[[], dict[str, float]],
         track: bool = False,
+        extra: dict[str, float] | None = None,
     ) -> dict[str, float] | None:
         """Called after every step; at the log interval (and the epoch's last step) reads
-        the metrics (one device sync), shows them and returns them with ``samples_per_s``
-        (all ranks together). Nothing is read when nobody looks (progress off, no
-        ``track``)."""
+        the metrics (one device sync), shows them with ``extra`` (the monitor's) and
+        returns them with ``samples_per_s`` (all ranks together). Nothing is read when
+        nobody looks (progress off, no ``track``)."""
         if (self.mode == "off" and not track) or (step % self.log_every and step != self._total):
             return None
         now = time.perf_counter()
         rate = self.world_size * (samples - self._last_samples) / max(now - self._last_time, 1e-9)
         self._last_time, self._last_samples = now, samples
-        metrics = read_metrics()
+        metrics = {**read_metrics(), **(extra or {})}
         if self._bar is not None:
             self._bar.set_postfix({k: _fmt(v) for k, v in metrics.items()}, refresh=False)
         elif self.mode == "log":

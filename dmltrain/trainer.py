@@ -43,6 +43,7 @@ from dmltrain.ema import EMA
 from dmltrain.errors import StopForRequeue, UserError
 from dmltrain.hooks import TrainerHooks
 from dmltrain.launch import DistInfo
+from dmltrain.monitor import Monitor, StepClock, peak_flops
 from dmltrain.nan import NanChecker, NanEvent
 from dmltrain.precision import Precision, check_available
 from dmltrain.progress import Progress
@@ -227,7 +228,8 @@ class BaseTrainer(TrainerHooks):
             sampler.set_epoch(s.epoch)
             sampler.start = s.step_in_epoch * loop.grad_accum * loop.batch_size
         steps = s.step_in_epoch + math.ceil(len(self.train_loader) / loop.grad_accum)
-        batches = chunks(data.iterate(self.train_loader), loop.grad_accum)
+        batches = chunks(self.clock.batches(data.iterate(self.train_loader)), loop.grad_accum)
+        self.clock.restart()
         for step, micro_batches in enumerate(
             self.progress.epoch(batches, epoch, loop.epochs, steps), start=s.step_in_epoch + 1
         ):
@@ -239,14 +241,21 @@ class BaseTrainer(TrainerHooks):
                     self.ema.update(s.global_step + 1)
             s.global_step += 1
             s.step_in_epoch = step
+            self.clock.step()
+            monitored = None  # every rank's clocks, gathered at the log interval
+            if step % loop.log_every == 0 or step == steps:
+                monitored = self.monitor.interval(s.global_step)
             # rank 0's running means, read at the log interval only
-            shown = self.progress.step(step, s.metrics.count, s.metrics.compute, self.dist.is_main)
+            shown = self.progress.step(
+                step, s.metrics.count, s.metrics.compute, self.dist.is_main, monitored
+            )
             if shown is not None:  # rank 0, at the log interval
                 self._log_step(epoch, shown)
             every = loop.val_every_steps
             if every and s.global_step % every == 0 and step < steps and self.val_loader:
                 best, stop_early = self._end_epoch(s.epoch, started, partial=True)
                 self.model.train()
+                self.clock.restart()
                 if best:
                     self.checkpointer.save(best=True)
                 if stop_early:
@@ -445,10 +454,11 @@ class BaseTrainer(TrainerHooks):
         if checks.check_nans and checks.on_nan == "rollback" and self.state.global_step == 0:
             self.checkpointer.save(best=False)  # something to roll back to from step 1
         per_step = self.scheduler if self.scheduler_interval == "step" else None
+        self._start_monitor()
         self.step = OptimizerStep(
-            self.train_step, self.on_after_backward, self.model, self.optimizer, per_step,
-            self.precision, self.strategy, self.state, self.device, loop.grad_clip,
-            checks.detect_anomaly, self.nan_checker,
+            self.clock.timed(self.train_step), self.on_after_backward, self.model,
+            self.optimizer, per_step, self.precision, self.strategy, self.state, self.device,
+            loop.grad_clip, checks.detect_anomaly, self.nan_checker,
             lambda event: self.nan_checker.act(  # type: ignore[union-attr]
                 event, checks.on_nan, self.progress.info, self.checkpointer.newest),
         )  # fmt: skip
@@ -467,6 +477,28 @@ class BaseTrainer(TrainerHooks):
         self.val_loader = None
         if val_set is not None:
             self.val_loader = self.create_dataloader(data.keyed(val_set, seed), train=False)
+
+    def _start_monitor(self) -> None:
+        """The step clocks and what is made of them at each log interval (``monitor``)."""
+        cfg, dist = self.config, self.dist
+        share = self.ranks[dist.rank]["threads"] + cfg.data.num_workers  # CPUs of its own
+        workers = cfg.data.num_workers
+        hint = (
+            f"raise --num-workers (now {workers}; this process has {share} CPU(s) of its own: "
+            f"try {min(share - 1, 8)})"
+            if share - 1 > workers
+            else f"this process has {share} CPU(s) of its own (its affinity, "
+            "SLURM_CPUS_PER_TASK): ask for more a task (sbatch --cpus-per-task) and raise "
+            "--num-workers, or make loading a sample cheaper"
+        )
+        self.clock = StepClock(self.device)
+        self.monitor = Monitor(
+            self.clock, self.strategy.max_over_ranks, dist.rank,
+            [entry["host"] for entry in self.ranks], cfg.tracking.straggler_factor, self.warn,
+            self.run_dir / "ranks.csv" if dist.is_main and dist.world_size > 1 else None,
+            self.flops_per_sample(), peak_flops(self.device, cfg.numerics.precision), hint,
+            dist.world_size * cfg.loop.batch_size * cfg.loop.grad_accum,
+        )  # fmt: skip
 
     def _start_records(self, plain: dict[str, Any]) -> None:
         """config.yaml, diagnostics and the tracker (rank 0); the Slurm deadline (all ranks)."""

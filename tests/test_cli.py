@@ -242,7 +242,8 @@ def test_plot_writes_a_png_of_the_curves(tmp_path):
     png = (run / "training_curves.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     width, height = struct.unpack(">II", png[16:24])  # the IHDR chunk
-    assert (width, height) == (1800, 450)  # loss and metrics by epoch, steps.csv by step
+    # loss and metrics by epoch; steps.csv by step: loss, and throughput with data wait
+    assert (width, height) == (2400, 450)
     (run / "steps.csv").unlink()
     assert run_cli("plot", str(run), cwd=tmp_path).returncode == 0
     png = (run / "training_curves.png").read_bytes()

@@ -29,6 +29,12 @@ class TinyOptions:
     signal_rank: int = field(default=-1, metadata={"help": "this rank sends itself SIGUSR1"})
     signal_at_step: int = field(default=0, metadata={"help": "... at this global step"})
     step_sleep: float = field(default=0.0, metadata={"help": "seconds to sleep each step"})
+    slow_rank: int = field(default=-1, metadata={"help": "this rank sleeps --slow-seconds more"})
+    slow_seconds: float = field(default=0.0, metadata={"help": "... in each train_step"})
+    data_sleep: float = field(
+        default=0.0, metadata={"help": "seconds to sleep loading each training sample"}
+    )
+    data_sleep_rank: int = field(default=-1, metadata={"help": "... on this rank only"})
     first_job_only: bool = field(
         default=False,
         metadata={"help": "--step-sleep only in a Slurm job's first run (not once requeued)"},
@@ -89,6 +95,20 @@ class WrapperNames(nn.Module):
         return self.attn_module(torch.tanh(self.module(x)))
 
 
+class SlowSamples(Dataset):
+    """Each sample takes ``seconds`` to load (a data-bound run)."""
+
+    def __init__(self, inner: Dataset, seconds: float) -> None:
+        self.inner, self.seconds = inner, seconds
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, index):
+        time.sleep(self.seconds)
+        return self.inner[index]
+
+
 class Augmented(Dataset):
     """Noise drawn from all three generators a data pipeline uses, in ``__getitem__``
     (in a DataLoader worker when --num-workers > 0)."""
@@ -141,7 +161,11 @@ class TinyTrainer(BaseTrainer):
         if self.opts.record_samples:
             train = TensorDataset(x[:n], y[:n], torch.arange(n))
         validation = TensorDataset(x[n : n + val], y[n : n + val])
-        return Augmented(train) if self.opts.augment else train, validation
+        train = Augmented(train) if self.opts.augment else train
+        o = self.opts
+        if o.data_sleep and o.data_sleep_rank in (-1, self.dist.rank):
+            train = SlowSamples(train, o.data_sleep)
+        return train, validation
 
     def _data(self):
         return tiny_data(self.opts)
@@ -180,6 +204,8 @@ class TinyTrainer(BaseTrainer):
         requeued = os.environ.get("SLURM_RESTART_COUNT", "0") != "0"
         if self.opts.step_sleep and not (self.opts.first_job_only and requeued):
             time.sleep(self.opts.step_sleep)  # a slow step, so a test can signal mid-run
+        if self.dist.rank == o.slow_rank:
+            time.sleep(o.slow_seconds)  # a straggler
         x, y, *index = batch
         if index:
             with open(self.run_dir / f"samples.{self.dist.rank}.txt", "a") as record:

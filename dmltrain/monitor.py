@@ -1,0 +1,218 @@
+"""Seeing inside a running job at each log interval: throughput, data stalls, stragglers.
+
+Every step, each rank's host clock takes the time spent waiting for the next batch (in
+the loader's ``next()``) and the time in the experiment's ``train_step`` (the forward and
+the loss: no collective runs there under DDP, so a slow rank's own work shows in it; on a
+GPU, CUDA events around it, read at the log interval, as the host only queues kernels).
+Nothing is synchronised per step.
+
+At each log interval, one small collective (on the control group) gathers every rank's
+means; rank 0 then
+
+- adds ``steps_per_s``, ``data_wait`` (the share of the interval spent waiting for
+  batches, the slowest rank's: the others wait for it) and, where the experiment states
+  ``flops_per_sample()``, ``tflops`` per device and ``mfu`` against the device's peak, to
+  the progress line, ``steps.csv`` and the tracker;
+- warns once when data waiting took over ``STALL_SHARE`` of the time for
+  ``STALL_INTERVALS`` intervals in a row, with the numbers and what to change;
+- warns when a rank's own time (data wait + ``train_step``) exceeds the median of the
+  other ranks' by ``--straggler-factor`` for ``STALL_INTERVALS`` intervals in a row,
+  naming the rank, its host and whether data or compute made it slow; and writes every
+  rank's numbers to ``RUN_DIR/ranks.csv``.
+"""
+
+import csv
+import statistics
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+STALL_SHARE = 0.2  # of the interval's time spent waiting for data
+STALL_INTERVALS = 2  # in a row, before a warning
+_US = 1e5  # the collective's unit: 10 us (an int32 holds 5.9 hours)
+
+
+def _ticks(seconds: float) -> int:
+    return min(int(seconds * _US), 2**31 - 1)
+
+
+# Dense peak FLOP/s a device, by a substring of torch.cuda.get_device_name and the
+# precision (vendors' data sheets; fp32 without TF32).
+PEAK_FLOPS = {
+    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
+    "A10": {"bf16": 125e12, "fp16": 125e12, "fp32": 31.2e12},
+    "L40": {"bf16": 181e12, "fp16": 181e12, "fp32": 90.5e12},
+    "V100": {"fp16": 125e12, "fp32": 15.7e12},
+}
+
+
+def peak_flops(device: torch.device, precision: str) -> float | None:
+    """The device's dense peak FLOP/s at ``precision``; None where unknown (CPUs)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, peaks in PEAK_FLOPS.items():
+        if key in name:
+            return peaks.get(precision)
+    return None
+
+
+class StepClock:
+    """This rank's time in the loader and in ``train_step`` since the last ``read``."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._events: list[tuple[Any, Any]] = []
+        self.restart()
+
+    def restart(self) -> None:
+        """A new interval starts now (after validation, at an epoch's start)."""
+        self._started = time.perf_counter()
+        self._wait = self._compute = 0.0
+        self._steps = 0
+        self._events = []
+
+    def batches(self, batches: Iterable[Any]) -> Iterator[Any]:
+        """``batches``, timing each ``next()``."""
+        iterator, clock = iter(batches), time.perf_counter
+        while True:
+            began = clock()
+            try:
+                batch = next(iterator)
+            except StopIteration:
+                return
+            self._wait += clock() - began
+            yield batch
+
+    def timed(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """``fn`` (the experiment's ``train_step``), timed."""
+        clock = time.perf_counter
+
+        def call(batch: Any) -> Any:
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
+                start.record()
+                result = fn(batch)
+                end.record()
+                self._events.append((start, end))
+                return result
+            began = clock()
+            result = fn(batch)
+            self._compute += clock() - began
+            return result
+
+        return call
+
+    def step(self) -> None:
+        self._steps += 1
+
+    def read(self) -> tuple[int, float, float, float]:
+        """(steps, seconds, waiting, computing) of the interval; starts the next one."""
+        if self._events:  # the last one done means all are: one sync, at the interval
+            self._events[-1][1].synchronize()
+            self._compute = sum(a.elapsed_time(b) for a, b in self._events) / 1e3
+        read = (self._steps, time.perf_counter() - self._started, self._wait, self._compute)
+        self.restart()
+        return read
+
+
+@dataclass
+class Monitor:
+    """The log interval's numbers of all ranks (``interval``, every rank calls it)."""
+
+    clock: StepClock
+    gather: Callable[[list[int]], list[int]]  # element-wise max over the ranks
+    rank: int
+    hosts: list[str]  # of every rank
+    factor: float  # --straggler-factor
+    warn: Callable[[str], None]
+    ranks_csv: Path | None  # rank 0's
+    flops_per_sample: float | None = None
+    peak: float | None = None  # of one device
+    workers_hint: str = ""  # what --num-workers could be
+    global_batch: int = 0  # samples an optimizer step, all ranks
+    _stalled: int = 0
+    _slow: dict[int, int] = field(default_factory=dict)  # rank -> intervals in a row
+    _warned: set[Any] = field(default_factory=set)
+
+    def interval(self, step: int) -> dict[str, float]:
+        """Every rank, at the log interval: one collective. Rank 0 gets the values to
+        show and track; the others an empty dict."""
+        steps, seconds, wait, compute = self.clock.read()
+        world = len(self.hosts)
+        mine = [0] * (3 * world)
+        mine[3 * self.rank : 3 * self.rank + 3] = [_ticks(seconds), _ticks(wait), _ticks(compute)]
+        table = self.gather(mine)
+        if self.rank != 0 or steps == 0 or seconds <= 0:
+            return {}
+        per_rank = [
+            (table[3 * r] / _US, table[3 * r + 1] / _US, table[3 * r + 2] / _US)
+            for r in range(world)
+        ]
+        waiting = max(w / s for s, w, _ in per_rank if s > 0)
+        values = {"steps_per_s": steps / seconds, "data_wait": waiting}
+        if self.flops_per_sample and self.global_batch:
+            achieved = self.flops_per_sample * self.global_batch * steps / seconds / world
+            values["tflops"] = achieved / 1e12
+            if self.peak:
+                values["mfu"] = achieved / self.peak
+        self._check_stall(waiting, steps / seconds)
+        self._check_stragglers(step, steps, per_rank)
+        return values
+
+    def _check_stall(self, waiting: float, steps_per_s: float) -> None:
+        self._stalled = self._stalled + 1 if waiting > STALL_SHARE else 0
+        if self._stalled >= STALL_INTERVALS and "stall" not in self._warned:
+            self._warned.add("stall")
+            self.warn(
+                f"data loading is the bottleneck: over {STALL_SHARE:.0%} of the time went to "
+                f"waiting for batches in {STALL_INTERVALS} log intervals in a row (the last: "
+                f"{waiting:.0%}, {steps_per_s:.3g} steps/s); {self.workers_hint}"
+            )
+
+    def _check_stragglers(
+        self, step: int, steps: int, per_rank: list[tuple[float, float, float]]
+    ) -> None:
+        """A rank slower than the median of the others by the factor, two intervals in a
+        row (with 2 ranks, the other one)."""
+        own = [wait + compute for _, wait, compute in per_rank]
+        if self.ranks_csv is not None:
+            self._write(step, steps, per_rank)
+        for rank, value in enumerate(own):
+            others = [r for r in range(len(own)) if r != rank]
+            if not others:
+                return
+            median = statistics.median(own[r] for r in others)
+            slow = median > 0 and value > self.factor * median
+            self._slow[rank] = self._slow.get(rank, 0) + 1 if slow else 0
+            if self._slow[rank] >= STALL_INTERVALS and ("slow", rank) not in self._warned:
+                self._warned.add(("slow", rank))
+                _, wait, compute = per_rank[rank]
+                mid_wait = statistics.median(per_rank[r][1] for r in others)
+                mid_compute = statistics.median(per_rank[r][2] for r in others)
+                cause = "data" if wait - mid_wait > compute - mid_compute else "compute"
+                self.warn(
+                    f"straggler: rank {rank} on {self.hosts[rank]} is {value / median:.2f}x "
+                    f"slower than the median of the other ranks ({cause}: "
+                    f"{wait / steps * 1e3:.1f} ms waiting for data and "
+                    f"{compute / steps * 1e3:.1f} ms in train_step a step, against "
+                    f"{mid_wait / steps * 1e3:.1f} and {mid_compute / steps * 1e3:.1f} ms); "
+                    f"every rank waits for it ({self.ranks_csv})"
+                )
+
+    def _write(self, step: int, steps: int, per_rank: list[tuple[float, float, float]]) -> None:
+        assert self.ranks_csv is not None
+        new = not self.ranks_csv.exists()
+        with self.ranks_csv.open("a", newline="") as handle:
+            writer = csv.writer(handle)
+            if new:
+                writer.writerow(["step", "rank", "host", "step_s", "data_wait_s", "compute_s"])
+            for rank, (seconds, wait, compute) in enumerate(per_rank):
+                writer.writerow([step, rank, self.hosts[rank], f"{seconds / steps:.6g}",
+                                 f"{wait / steps:.6g}", f"{compute / steps:.6g}"])  # fmt: skip

@@ -1,0 +1,104 @@
+"""Throughput, data stalls and stragglers (dmltrain/monitor.py): the clocks measure what
+they say, a data-bound run gets one warning saying what to change, and with 2 real
+processes a rank slowed on purpose is named (with whether data or compute made it slow)
+while a healthy run names nobody."""
+
+import csv
+import struct
+import time
+
+import pytest
+import torch
+from helpers import run_cli
+
+from dmltrain.monitor import Monitor, StepClock
+from dmltrain.training_log import read_training_log
+
+# 2 processes x 4: 12 steps an epoch, an interval every 2 steps; every step takes 10 ms
+# in train_step, so the machine's noise is small beside it
+BASE = ["tiny", "--nprocs", "2", "--batch-size", "4", "--epochs", "1", "--progress", "log",
+        "--log-every", "2", "--step-sleep", "0.01"]  # fmt: skip
+
+
+def slow(items, seconds):
+    for item in items:
+        time.sleep(seconds)
+        yield item
+
+
+def test_the_clock_splits_waiting_for_data_from_train_step():
+    clock = StepClock(torch.device("cpu"))
+    step = clock.timed(lambda batch: time.sleep(0.02))
+    for batch in clock.batches(slow(range(3), 0.01)):
+        step(batch)
+        clock.step()
+    steps, seconds, wait, compute = clock.read()
+    assert steps == 3
+    assert 0.03 <= wait < 0.045 and 0.06 <= compute < 0.08
+    assert seconds >= wait + compute
+    assert clock.read()[0] == 0  # the next interval starts empty
+
+
+def test_a_data_bound_interval_twice_in_a_row_warns_once():
+    clock, warnings = StepClock(torch.device("cpu")), []
+    monitor = Monitor(clock, lambda values: values, 0, ["node1"], 1.2, warnings.append, None,
+                      flops_per_sample=1e9, global_batch=8,
+                      workers_hint="raise --num-workers")  # fmt: skip
+
+    def interval(data_seconds):
+        for _ in clock.batches(slow(range(2), data_seconds)):
+            clock.step()
+        return monitor.interval(2)
+
+    values = interval(0.02)
+    assert values["data_wait"] > 0.9 and values["steps_per_s"] > 0
+    assert values["tflops"] == pytest.approx(1e9 * 8 * values["steps_per_s"] / 1e12, rel=0.05)
+    assert "mfu" not in values  # no known peak on a CPU
+    assert warnings == []  # one interval is not a trend
+    interval(0.02)
+    interval(0.02)
+    assert len(warnings) == 1, warnings
+    assert "data loading is the bottleneck" in warnings[0]
+    assert "raise --num-workers" in warnings[0]
+
+
+def test_a_data_bound_run_says_what_to_change(tmp_path):
+    done = run_cli("tiny", "--epochs", "1", "--batch-size", "8", "--progress", "log",
+                   "--log-every", "2", "--data-sleep", "0.002", "--run-dir", "run",
+                   cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if "bottleneck" in line]
+    assert len(lines) == 1, done.stderr
+    assert "--num-workers" in lines[0] and "CPU(s) of its own" in lines[0]
+    rows = read_training_log(tmp_path / "run" / "steps.csv")
+    assert rows and all(row["data_wait"] > 0.2 for row in rows)
+    assert "data_wait" in done.stdout  # the progress line
+
+
+def _ranks(run):
+    with open(run / "ranks.csv", newline="") as handle:
+        return list(csv.DictReader(handle))
+
+
+@pytest.mark.parametrize("cause", ["compute", "data"])
+def test_a_slowed_rank_is_named_and_a_healthy_run_names_nobody(tmp_path, cause):
+    healthy = run_cli(*BASE, "--run-dir", "healthy", cwd=tmp_path)
+    assert healthy.returncode == 0, healthy.stderr[-3000:]
+    assert "straggler" not in healthy.stderr, healthy.stderr
+    slowed = ["--slow-rank", "1", "--slow-seconds", "0.02"]
+    if cause == "data":  # 4 samples a step, 5 ms each
+        slowed = ["--data-sleep", "0.005", "--data-sleep-rank", "1"]
+    done = run_cli(*BASE, *slowed, "--run-dir", "slowed", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    named = [line for line in done.stderr.splitlines() if "straggler" in line]
+    assert len(named) == 1, done.stderr  # once, not every interval
+    assert "straggler: rank 1 on " in named[0] and f"({cause}:" in named[0], named[0]
+    rows = _ranks(tmp_path / "slowed")
+    assert {row["rank"] for row in rows} == {"0", "1"}
+    last = {row["rank"]: row for row in rows if row["step"] == rows[-1]["step"]}
+    column = "compute_s" if cause == "compute" else "data_wait_s"
+    assert float(last["1"][column]) > float(last["0"][column]) + 0.01
+    if cause == "compute":  # dmltrain plot draws each rank's time a step
+        assert run_cli("plot", "slowed", cwd=tmp_path).returncode == 0
+        png = (tmp_path / "slowed" / "training_curves.png").read_bytes()
+        assert struct.unpack(">II", png[16:24]) == (3000, 450)  # a fifth panel: ranks.csv
