@@ -11,6 +11,7 @@ also the resolved config, the world size and a format version. The data order ne
 nothing more: it is a function of seed, epoch and the steps already done.
 """
 
+import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -123,12 +124,19 @@ class Checkpointer:
             self.save(best=best, must=stopping or last)
 
     # ----- saving -------------------------------------------------------------------------
+    # around each save: the hang watchdog's pause (a save may take minutes)
+    quiet: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+
     def save(self, best: bool, must: bool = False) -> None:
         """Collective: every rank contributes; rank 0 writes (every rank, when sharded).
 
         A checkpoint that cannot be written (a full disk) is one warning line, and the
         next one is tried as usual; unless it ``must`` be written: then every rank stops
         with that line."""
+        with self.quiet():
+            self._save(best, must)
+
+    def _save(self, best: bool, must: bool) -> None:
         saved, strategy, main = self.saved, self.strategy, self.dist.is_main
         state = saved.state
         if main:

@@ -229,6 +229,15 @@ class DistConfig:
         default=60.0,
         metadata={"help": "seconds a rank waits for the others before giving up"},
     )
+    hang_timeout: float = field(
+        default=0.0,
+        metadata={
+            "help": "seconds with no step ended before every rank writes its stacks to "
+            "RUN_DIR/hang/ and the run stops (exit 5); at least 20x the slowest step so far. "
+            "0: auto (that, at least 30 s, at most 0.8x --dist-timeout)"
+        },
+    )
+    hang_watchdog: bool = field(default=True, metadata={"help": "watch for hangs (--hang-timeout)"})
     status_file: str | None = field(
         default=None,
         metadata={
@@ -241,6 +250,7 @@ class DistConfig:
         check(self.nprocs >= 1, f"--nprocs must be at least 1 (got {self.nprocs})")
         check(self.threads >= 0, f"--threads must be >= 0 (got {self.threads})")
         check(self.dist_timeout > 0, f"--dist-timeout must be positive (got {self.dist_timeout})")
+        check(self.hang_timeout >= 0, f"--hang-timeout must be >= 0 (got {self.hang_timeout})")
 
 
 @dataclass(frozen=True)

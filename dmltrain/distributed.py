@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.data import Dataset, Sampler
 
-from dmltrain import peers, preflight
+from dmltrain import launch, peers, preflight
 from dmltrain.config import DistConfig
 from dmltrain.data import ResumableSampler, ShardSampler
 from dmltrain.errors import PeerLost, UserError
@@ -59,6 +59,10 @@ class Strategy:
     def backend(self) -> str:
         """The collective backend in use (after setup)."""
         return "none"
+
+    def flight_recorder(self) -> Callable[[], bytes] | None:
+        """What dumps the NCCL flight recorder's buffer (a hang's record), where there is one."""
+        return None
 
     def wrap_model(
         self, model: nn.Module, units: list[nn.Module], param_dtype: torch.dtype | None = None
@@ -147,6 +151,8 @@ class DDPStrategy(Strategy):
         if self.info.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(self.info.device))
         timeout = datetime.timedelta(seconds=self.config.dist_timeout)
+        if backend == "nccl":  # its collectives recorded, for a hang's report (watchdog)
+            launch.enable_flight_recorder()
         info = self.info
         interface = environment is not None and environment.socket_interface is not None
         # Kept, not made by init_method: the roll call after a failed collective uses it.
@@ -208,6 +214,10 @@ class DDPStrategy(Strategy):
 
     def backend(self) -> str:
         return str(dist.get_backend()) if dist.is_initialized() else "none"
+
+    def flight_recorder(self) -> Callable[[], bytes] | None:
+        dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)
+        return dump if self.backend() == "nccl" and dump is not None else None
 
     def teardown(self) -> None:
         if dist.is_initialized():

@@ -20,7 +20,7 @@ With ``--launcher auto`` they are tried in this order, first match wins:
 import os
 import re
 import socket
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, replace
 
 import torch
@@ -389,6 +389,14 @@ def spawned(parent: DistInfo, local_rank: int) -> DistInfo:
     """The ``DistInfo`` of worker ``local_rank`` started by a ``spawn`` parent."""
     device = default_device(local_rank)
     return replace(parent, rank=local_rank, local_rank=local_rank, device=device, spawned=True)
+
+
+def enable_flight_recorder(env: MutableMapping[str, str] | None = None) -> None:
+    """Keep NCCL's record of the last collectives (PyTorch's flight recorder), which the
+    hang watchdog dumps; before the process group starts. A setting of the user's stays."""
+    env = os.environ if env is None else env
+    if "TORCH_FR_BUFFER_SIZE" not in env and "TORCH_NCCL_TRACE_BUFFER_SIZE" not in env:
+        env["TORCH_FR_BUFFER_SIZE"] = "2000"
 
 
 def free_port() -> int:

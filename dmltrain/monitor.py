@@ -71,9 +71,14 @@ class StepClock:
         self._events: list[tuple[Any, Any]] = []
         self.restart()
 
+    # read by the hang watchdog (dmltrain.watchdog), from its thread
+    slowest = 0.0  # the longest step so far, in seconds
+    steps_done = 0
+    inside_since: float | None = None  # when the running train_step started
+
     def restart(self) -> None:
         """A new interval starts now (after validation, at an epoch's start)."""
-        self._started = time.perf_counter()
+        self._started = self.last_end = time.perf_counter()
         self._wait = self._compute = 0.0
         self._steps = 0
         self._events = []
@@ -95,22 +100,29 @@ class StepClock:
         clock = time.perf_counter
 
         def call(batch: Any) -> Any:
+            self.inside_since = began = clock()
             if self.cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
                 start.record()
                 result = fn(batch)
                 end.record()
                 self._events.append((start, end))
-                return result
-            began = clock()
-            result = fn(batch)
-            self._compute += clock() - began
+            else:
+                result = fn(batch)
+                self._compute += clock() - began
+            self.inside_since = None
             return result
 
         return call
 
     def step(self) -> None:
+        """A step ended."""
+        now = time.perf_counter()
+        took, self.last_end = now - self.last_end, now
+        if took > self.slowest:
+            self.slowest = took
         self._steps += 1
+        self.steps_done += 1
 
     def read(self) -> tuple[int, float, float, float]:
         """(steps, seconds, waiting, computing) of the interval; starts the next one."""

@@ -33,6 +33,7 @@ from dmltrain import (
     rng,
     rundir,
     threads,
+    watchdog,
 )
 from dmltrain.batches import chunks
 from dmltrain.budget import Budget, Done, total_steps
@@ -51,6 +52,7 @@ from dmltrain.state import TrainState
 from dmltrain.step import OptimizerStep
 from dmltrain.tracking import Tracker, create_trackers
 from dmltrain.training_log import StepsLog, read_training_log, write_training_log
+from dmltrain.watchdog import Watchdog
 
 
 class BaseTrainer(TrainerHooks):
@@ -84,6 +86,9 @@ class BaseTrainer(TrainerHooks):
     agreement: preemption.AgreementSchedule
     steps_log: StepsLog  # steps.csv (rank 0)
     ema: EMA | None  # the averaged weights (--ema-decay)
+    clock: StepClock  # each step's time in the loader and in train_step (monitor)
+    monitor: Monitor  # throughput, data stalls, stragglers at each log interval
+    watchdog: Watchdog | None  # hangs (--hang-timeout)
     best_metric: str  # of the training log: best.pt and early stopping
     budget: Budget  # when the run is done: epochs, steps, time, early stopping
     total_steps: int  # optimizer steps by --epochs and --max-steps, known before the first
@@ -153,8 +158,12 @@ class BaseTrainer(TrainerHooks):
             lost = self.strategy.lost_peer(exc)
             if lost is None:
                 raise
+            if getattr(self, "watchdog", None) is not None:  # where a hung rank is
+                lost = self.watchdog.explain(lost)  # type: ignore[union-attr]
             raise lost from exc
         finally:
+            if getattr(self, "watchdog", None) is not None:
+                self.watchdog.stop()  # type: ignore[union-attr]
             self.watcher.restore()
             if hasattr(self, "checkpointer"):
                 self.checkpointer.close()  # never exit with a write half done
@@ -181,6 +190,8 @@ class BaseTrainer(TrainerHooks):
         epochs, s, budget = self.config.loop.epochs, self.state, self.budget
         self.on_train_start()
         budget.start()
+        if self.watchdog is not None:
+            self.watchdog.start()
         before = budget.reason(budget.time_done()) or budget.stopped_early()
         if s.epoch >= epochs or before:  # e.g. a later job of a chain
             self.progress.info(
@@ -200,7 +211,8 @@ class BaseTrainer(TrainerHooks):
                 return outcome
             best, done = False, None
             if not (outcome and outcome.validated):
-                best, done = self._end_epoch(epoch, started, partial=outcome is not None)
+                with self._quiet():
+                    best, done = self._end_epoch(epoch, started, partial=outcome is not None)
             timed = budget.time_agreed(self.strategy.max_over_ranks)
             done = done or (outcome and outcome.reason) or budget.reason(timed)
             stop = None if done else budget.job_done(self.epochs_this_job)
@@ -253,7 +265,8 @@ class BaseTrainer(TrainerHooks):
                 self._log_step(epoch, shown)
             every = loop.val_every_steps
             if every and s.global_step % every == 0 and step < steps and self.val_loader:
-                best, stop_early = self._end_epoch(s.epoch, started, partial=True)
+                with self._quiet():
+                    best, stop_early = self._end_epoch(s.epoch, started, partial=True)
                 self.model.train()
                 self.clock.restart()
                 if best:
@@ -311,6 +324,10 @@ class BaseTrainer(TrainerHooks):
             s.best_at = (epoch + 1, s.global_step)
             self.tracker.summary({f"best_{best_metric}": s.best_value, "best_epoch": epoch + 1})
         return best, self.budget.stopped_early() if stop_early else None
+
+    def _quiet(self) -> contextlib.AbstractContextManager[Any]:
+        """No hang watch inside (validation)."""
+        return self.watchdog.paused() if self.watchdog is not None else contextlib.nullcontext()
 
     def _log_step(self, epoch: int, shown: dict[str, float]) -> None:
         """The step scalars at a log interval (rank 0): steps.csv and the tracker."""
@@ -492,6 +509,19 @@ class BaseTrainer(TrainerHooks):
             "--num-workers, or make loading a sample cheaper"
         )
         self.clock = StepClock(self.device)
+        self.watchdog = None
+        if cfg.distributed.hang_watchdog:
+            shortest, longest = watchdog.limits(
+                cfg.distributed.hang_timeout, cfg.distributed.dist_timeout
+            )
+            self.watchdog = Watchdog(
+                self.clock, self.run_dir, dist.rank, dist.world_size, self.ranks[dist.rank]["host"],
+                shortest, longest,
+                cfg.distributed.dist_timeout + watchdog.GRACE if dist.world_size > 1 else 0.0,
+                lambda line: print(line, file=sys.stderr, flush=True),
+                self.strategy.flight_recorder(),
+            )  # fmt: skip
+            self.checkpointer.quiet = self.watchdog.paused
         self.monitor = Monitor(
             self.clock, self.strategy.max_over_ranks, dist.rank,
             [entry["host"] for entry in self.ranks], cfg.tracking.straggler_factor, self.warn,

@@ -31,6 +31,9 @@ class TinyOptions:
     step_sleep: float = field(default=0.0, metadata={"help": "seconds to sleep each step"})
     slow_rank: int = field(default=-1, metadata={"help": "this rank sleeps --slow-seconds more"})
     slow_seconds: float = field(default=0.0, metadata={"help": "... in each train_step"})
+    pause_at_step: int = field(default=0, metadata={"help": "sleep in this global step's"})
+    pause_seconds: float = field(default=0.0, metadata={"help": "... train_step this long"})
+    pause_rank: int = field(default=-1, metadata={"help": "... on this rank (-1: every rank)"})
     data_sleep: float = field(
         default=0.0, metadata={"help": "seconds to sleep loading each training sample"}
     )
@@ -206,6 +209,8 @@ class TinyTrainer(BaseTrainer):
             time.sleep(self.opts.step_sleep)  # a slow step, so a test can signal mid-run
         if self.dist.rank == o.slow_rank:
             time.sleep(o.slow_seconds)  # a straggler
+        if self.global_step + 1 == o.pause_at_step and o.pause_rank in (-1, self.dist.rank):
+            time.sleep(o.pause_seconds)  # a long step, or a rank blocked (a hang)
         x, y, *index = batch
         if index:
             with open(self.run_dir / f"samples.{self.dist.rank}.txt", "a") as record:
