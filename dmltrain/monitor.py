@@ -63,6 +63,22 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
     return None
 
 
+def workers_hint(cpus: int, workers: int) -> str:
+    """What to change when waiting for data: ``cpus`` this process has of its own (its
+    threads and loader workers, counted from its affinity and SLURM_CPUS_PER_TASK by
+    ``dmltrain.threads``)."""
+    if cpus - 1 > workers:
+        return (
+            f"raise --num-workers (now {workers}; this process has {cpus} CPU(s) of its own: "
+            f"try {min(cpus - 1, 8)})"
+        )
+    return (
+        f"this process has {cpus} CPU(s) of its own (its affinity, SLURM_CPUS_PER_TASK): ask "
+        "for more a task (sbatch --cpus-per-task) and raise --num-workers, or make loading "
+        "a sample cheaper"
+    )
+
+
 class StepClock:
     """This rank's time in the loader and in ``train_step`` since the last ``read``."""
 

@@ -27,13 +27,13 @@ from dmltrain import (
     diagnostics,
     evaluation,
     launch,
+    monitor,
     preemption,
     processes,
     progress,
     rng,
     rundir,
     threads,
-    watchdog,
 )
 from dmltrain.batches import chunks
 from dmltrain.budget import Budget, Done, total_steps
@@ -497,28 +497,14 @@ class BaseTrainer(TrainerHooks):
 
     def _start_monitor(self) -> None:
         """The step clocks and what is made of them at each log interval (``monitor``)."""
-        cfg, dist = self.config, self.dist
-        share = self.ranks[dist.rank]["threads"] + cfg.data.num_workers  # CPUs of its own
+        cfg, dist, me = self.config, self.dist, self.ranks[self.dist.rank]
         workers = cfg.data.num_workers
-        hint = (
-            f"raise --num-workers (now {workers}; this process has {share} CPU(s) of its own: "
-            f"try {min(share - 1, 8)})"
-            if share - 1 > workers
-            else f"this process has {share} CPU(s) of its own (its affinity, "
-            "SLURM_CPUS_PER_TASK): ask for more a task (sbatch --cpus-per-task) and raise "
-            "--num-workers, or make loading a sample cheaper"
-        )
+        hint = monitor.workers_hint(me["threads"] + workers, workers)  # its own CPUs
         self.clock = StepClock(self.device)
         self.watchdog = None
         if cfg.distributed.hang_watchdog:
-            shortest, longest = watchdog.limits(
-                cfg.distributed.hang_timeout, cfg.distributed.dist_timeout
-            )
-            self.watchdog = Watchdog(
-                self.clock, self.run_dir, dist.rank, dist.world_size, self.ranks[dist.rank]["host"],
-                shortest, longest,
-                cfg.distributed.dist_timeout + watchdog.GRACE if dist.world_size > 1 else 0.0,
-                lambda line: print(line, file=sys.stderr, flush=True),
+            self.watchdog = Watchdog.for_run(
+                self.clock, self.run_dir, dist, me["host"], cfg.distributed,
                 self.strategy.flight_recorder(),
             )  # fmt: skip
             self.checkpointer.quiet = self.watchdog.paused

@@ -38,7 +38,9 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from dmltrain.config import DistConfig
 from dmltrain.errors import EXIT_PEER_LOST, PeerLost
+from dmltrain.launch import DistInfo
 from dmltrain.monitor import StepClock
 
 MULTIPLE = 20  # of the slowest step so far
@@ -83,6 +85,23 @@ class Watchdog:
         self._paused = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="dmltrain-watchdog", daemon=True)
+
+    @classmethod
+    def for_run(
+        cls,
+        clock: StepClock,
+        run_dir: Path,
+        dist: DistInfo,
+        host: str,
+        config: DistConfig,
+        nccl_dump: Callable[[], bytes] | None,
+    ) -> "Watchdog":
+        """A rank's watchdog by the run's --hang-timeout and --dist-timeout; a hang's
+        line goes to stderr."""
+        shortest, longest = limits(config.hang_timeout, config.dist_timeout)
+        grace = config.dist_timeout + GRACE if dist.world_size > 1 else 0.0  # no collective
+        return cls(clock, run_dir, dist.rank, dist.world_size, host, shortest, longest, grace,
+                   lambda line: print(line, file=sys.stderr, flush=True), nccl_dump)  # fmt: skip
 
     def start(self) -> None:
         self._thread.start()
