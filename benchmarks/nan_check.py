@@ -1,4 +1,5 @@
-"""What ``--check-nans`` (or ``--option ema``: ``--ema-decay``) costs per training step.
+"""What ``--check-nans`` (``--option ema``: ``--ema-decay``; ``--option monitor``: the
+throughput, straggler and hang monitoring on by default) costs per training step.
 
     python benchmarks/nan_check.py            # MNIST CNN, batch 64, 150 steps, 5 processes
     python benchmarks/nan_check.py --quick    # 30 steps, 1 process (a smoke test)
@@ -30,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.common import (
     Clocked,
     make_data,
+    make_model,
     median,
     pass_turn,
     rotate,
@@ -37,9 +39,9 @@ from benchmarks.common import (
     single_process,
 )
 from dmltrain import BaseTrainer, TrainConfig
-from experiments.mnist import Net
 
 WARMUP = 5
+MODELS = {"cnn": "MNIST CNN", "tiny": "tiny model (a 784-10 linear layer)"}
 
 
 class Bench(BaseTrainer):
@@ -47,8 +49,11 @@ class Bench(BaseTrainer):
     steps = 150
     block = 1
 
+    model_name = "cnn"
+
     def create_model(self):
-        self.clock = Clocked(Net(), WARMUP, self.steps, str(self.device), self.block, pass_turn)
+        model = make_model(self.model_name)
+        self.clock = Clocked(model, WARMUP, self.steps, str(self.device), self.block, pass_turn)
         return self.clock
 
     def create_datasets(self):
@@ -61,15 +66,19 @@ class Bench(BaseTrainer):
 
 RUNS = ["off", "on", "off-twin"]  # the run without the option, with it, without again
 
-# The options this measures (``--option``): the settings of the "on" run, and the words of
-# the table: (title, the option as typed, the run without it).
-OPTIONS: dict[str, tuple[dict, str, str, str]] = {
-    "nan_check": ({"check_nans": True}, "nan-check", "--check-nans", "unchecked"),
-    "ema": ({"ema_decay": 0.999}, "ema", "--ema-decay 0.999", "without EMA"),
-}
+# The options this measures (``--option``): the settings of the "on" run and of the "off"
+# runs, and the words of the table: (title, the option as typed, the run without it).
+OPTIONS: dict[str, tuple[dict, dict, str, str, str]] = {
+    "nan_check": ({"check_nans": True}, {}, "nan-check", "--check-nans", "unchecked"),
+    "ema": ({"ema_decay": 0.999}, {}, "ema", "--ema-decay 0.999", "without EMA"),
+    "monitor": ({}, {"monitor": False, "hang_watchdog": False}, "monitor",
+                "monitoring (default)", "--no-monitor --no-hang-watchdog"),
+}  # fmt: skip
 
 
-def run(name: str, steps: int, block: int, device: str, root: Path, option: str) -> float:
+def run(
+    name: str, steps: int, block: int, device: str, root: Path, option: str, model: str
+) -> float:
     config = TrainConfig(
         epochs=1,
         batch_size=64,
@@ -77,10 +86,10 @@ def run(name: str, steps: int, block: int, device: str, root: Path, option: str)
         wandb_mode="disabled",
         keep_last=1,
         run_dir=str(root / name),
-        **(OPTIONS[option][0] if name == "on" else {}),
+        **(OPTIONS[option][0] if name == "on" else OPTIONS[option][1]),
     )
     trainer = Bench(config, dist=single_process(device))
-    trainer.steps, trainer.block = steps, block
+    trainer.steps, trainer.block, trainer.model_name = steps, block, model
     trainer.fit()
     return trainer.clock.step_time
 
@@ -90,7 +99,14 @@ def worker(args: argparse.Namespace) -> None:
     order = RUNS[first:] + RUNS[:first]
     runs = {
         name: functools.partial(
-            run, name, args.steps, args.block, args.device, Path(args.root), args.option
+            run,
+            name,
+            args.steps,
+            args.block,
+            args.device,
+            Path(args.root),
+            args.option,
+            args.model,
         )
         for name in order
     }
@@ -108,11 +124,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--block", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--root", help=argparse.SUPPRESS)
     parser.add_argument("--option", choices=sorted(OPTIONS), default="nan_check")
+    parser.add_argument("--model", choices=["tiny", "cnn"], default="cnn")
     args = parser.parse_args(argv)
     if args.worker:
         worker(args)
         return {}
-    steps, processes = (30, 1) if args.quick else (150, 5)
+    steps, processes = (30, 1) if args.quick else (150 if args.model == "cnn" else 600, 5)
     block = 1 if args.device == "cpu" else 20  # the clock syncs a GPU at every turn
     root = Path(tempfile.mkdtemp(prefix="dmltrain-nan-bench-"))
     results = [
@@ -131,6 +148,8 @@ def main(argv: list[str] | None = None) -> dict:
                 str(root / str(i)),
                 "--option",
                 args.option,
+                "--model",
+                args.model,
             ],
         )
         for i in range(processes)
@@ -138,11 +157,11 @@ def main(argv: list[str] | None = None) -> dict:
     ms = {name: 1000 * median(results, name) for name in RUNS}
     ratios = {name: [r[name] / r["off"] for r in results] for name in ("on", "off-twin")}
     ratio = statistics.median(ratios["on"])
-    _, title, typed, without = OPTIONS[args.option]
+    _, _, title, typed, without = OPTIONS[args.option]
     text = "\n".join(
         [
-            f"{title}: MNIST CNN, batch 64, {steps} timed steps each, taking turns every "
-            f"{block} step(s) in one process, {processes} fresh process(es), device "
+            f"{title}: {MODELS[args.model]}, batch 64, {steps} timed steps each, taking turns "
+            f"every {block} step(s) in one process, {processes} fresh process(es), device "
             f"{args.device}; ratio: median (range) of the processes'",
             f"| run | ms per step | vs {without} | range |",
             "|---|---|---|---|",

@@ -34,6 +34,7 @@ BENCHMARKS = [
     "data_pipeline",
     "collectives",
     "ema",
+    "monitor",
 ]
 
 
@@ -119,6 +120,14 @@ def targets(reports: dict) -> list[tuple[str, str, str, bool]]:
                      f"{ema['extra_ms']:+.3f} ms vs {ema['lerp_ms']:.3f} ms (identical runs: "
                      f"+-{noise:.3f} ms)", "<= one lerp + noise",
                      ema["extra_ms"] <= ema["lerp_ms"] + noise))  # fmt: skip
+    mo = reports.get("monitor", {}).get("ratios", {})
+    if mo:
+        r = mo["monitor: cnn on / off"]
+        low, high = reports["monitor"]["twin_range"]
+        rows.append(("monitoring on by default (throughput, stragglers, hangs): MNIST CNN step "
+                     "time vs all of it off", f"{r:.3f}x (identical runs: {low:.3f}-{high:.3f}x;"
+                     f" tiny model {reports['monitor']['extra_us']:+.1f} us a step)", "<= 1.01x",
+                     r <= 1.01))  # fmt: skip
     co = reports.get("collectives", {}).get("model_1024_ranks_20us")
     if co:
         share, interval, fixed = co["scaled_share"], co["scaled_interval"], co["fixed_share"]

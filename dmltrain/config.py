@@ -460,6 +460,13 @@ class TrackingConfig:
     wandb_init_timeout: float = field(
         default=60.0, metadata={"help": "seconds to wait for wandb to start before giving up"}
     )
+    monitor: bool = field(
+        default=True,
+        metadata={
+            "help": "time the loader and train_step each step; at each log interval: steps/s, "
+            "data wait, stragglers (RUN_DIR/ranks.csv)"
+        },
+    )
     straggler_factor: float = field(
         default=1.2,
         metadata={

@@ -82,8 +82,9 @@ def workers_hint(cpus: int, workers: int) -> str:
 class StepClock:
     """This rank's time in the loader and in ``train_step`` since the last ``read``."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
+    def __init__(self, device: torch.device, timing: bool = True) -> None:
+        """``timing`` False (``--no-monitor``): only when steps end (for the watchdog)."""
+        self.cuda, self.timing = device.type == "cuda", timing
         self._events: list[tuple[Any, Any]] = []
         self.restart()
 
@@ -99,8 +100,11 @@ class StepClock:
         self._steps = 0
         self._events = []
 
-    def batches(self, batches: Iterable[Any]) -> Iterator[Any]:
-        """``batches``, timing each ``next()``."""
+    def batches(self, batches: Iterable[Any]) -> Iterable[Any]:
+        """``batches``, timing each ``next()`` (as they are without ``timing``)."""
+        return self._timed(batches) if self.timing else batches
+
+    def _timed(self, batches: Iterable[Any]) -> Iterator[Any]:
         iterator, clock = iter(batches), time.perf_counter
         while True:
             began = clock()
@@ -113,6 +117,8 @@ class StepClock:
 
     def timed(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """``fn`` (the experiment's ``train_step``), timed."""
+        if not self.timing:
+            return fn
         clock = time.perf_counter
 
         def call(batch: Any) -> Any:
@@ -172,6 +178,8 @@ class Monitor:
     def interval(self, step: int) -> dict[str, float]:
         """Every rank, at the log interval: one collective. Rank 0 gets the values to
         show and track; the others an empty dict."""
+        if not self.clock.timing:  # --no-monitor
+            return {}
         steps, seconds, wait, compute = self.clock.read()
         world = len(self.hosts)
         mine = [0] * (3 * world)

@@ -86,7 +86,7 @@ class BaseTrainer(TrainerHooks):
     agreement: preemption.AgreementSchedule
     steps_log: StepsLog  # steps.csv (rank 0)
     ema: EMA | None  # the averaged weights (--ema-decay)
-    clock: StepClock  # each step's time in the loader and in train_step (monitor)
+    step_clock: StepClock  # each step's time in the loader and in train_step (monitor)
     monitor: Monitor  # throughput, data stalls, stragglers at each log interval
     watchdog: Watchdog | None  # hangs (--hang-timeout)
     best_metric: str  # of the training log: best.pt and early stopping
@@ -240,8 +240,8 @@ class BaseTrainer(TrainerHooks):
             sampler.set_epoch(s.epoch)
             sampler.start = s.step_in_epoch * loop.grad_accum * loop.batch_size
         steps = s.step_in_epoch + math.ceil(len(self.train_loader) / loop.grad_accum)
-        batches = chunks(self.clock.batches(data.iterate(self.train_loader)), loop.grad_accum)
-        self.clock.restart()
+        batches = chunks(self.step_clock.batches(data.iterate(self.train_loader)), loop.grad_accum)
+        self.step_clock.restart()
         for step, micro_batches in enumerate(
             self.progress.epoch(batches, epoch, loop.epochs, steps), start=s.step_in_epoch + 1
         ):
@@ -253,7 +253,7 @@ class BaseTrainer(TrainerHooks):
                     self.ema.update(s.global_step + 1)
             s.global_step += 1
             s.step_in_epoch = step
-            self.clock.step()
+            self.step_clock.step()
             monitored = None  # every rank's clocks, gathered at the log interval
             if step % loop.log_every == 0 or step == steps:
                 monitored = self.monitor.interval(s.global_step)
@@ -268,7 +268,7 @@ class BaseTrainer(TrainerHooks):
                 with self._quiet():
                     best, stop_early = self._end_epoch(s.epoch, started, partial=True)
                 self.model.train()
-                self.clock.restart()
+                self.step_clock.restart()
                 if best:
                     self.checkpointer.save(best=True)
                 if stop_early:
@@ -473,7 +473,7 @@ class BaseTrainer(TrainerHooks):
         per_step = self.scheduler if self.scheduler_interval == "step" else None
         self._start_monitor()
         self.step = OptimizerStep(
-            self.clock.timed(self.train_step), self.on_after_backward, self.model,
+            self.step_clock.timed(self.train_step), self.on_after_backward, self.model,
             self.optimizer, per_step, self.precision, self.strategy, self.state, self.device,
             loop.grad_clip, checks.detect_anomaly, self.nan_checker,
             lambda event: self.nan_checker.act(  # type: ignore[union-attr]
@@ -500,16 +500,16 @@ class BaseTrainer(TrainerHooks):
         cfg, dist, me = self.config, self.dist, self.ranks[self.dist.rank]
         workers = cfg.data.num_workers
         hint = monitor.workers_hint(me["threads"] + workers, workers)  # its own CPUs
-        self.clock = StepClock(self.device)
+        self.step_clock = StepClock(self.device, timing=cfg.tracking.monitor)
         self.watchdog = None
         if cfg.distributed.hang_watchdog:
             self.watchdog = Watchdog.for_run(
-                self.clock, self.run_dir, dist, me["host"], cfg.distributed,
+                self.step_clock, self.run_dir, dist, me["host"], cfg.distributed,
                 self.strategy.flight_recorder(),
             )  # fmt: skip
             self.checkpointer.quiet = self.watchdog.paused
         self.monitor = Monitor(
-            self.clock, self.strategy.max_over_ranks, dist.rank,
+            self.step_clock, self.strategy.max_over_ranks, dist.rank,
             [entry["host"] for entry in self.ranks], cfg.tracking.straggler_factor, self.warn,
             self.run_dir / "ranks.csv" if dist.is_main and dist.world_size > 1 else None,
             self.flops_per_sample(), peak_flops(self.device, cfg.numerics.precision), hint,
