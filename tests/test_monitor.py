@@ -73,6 +73,11 @@ def test_a_data_bound_run_says_what_to_change(tmp_path):
     rows = read_training_log(tmp_path / "run" / "steps.csv")
     assert rows and all(row["data_wait"] > 0.2 for row in rows)
     assert "data_wait" in done.stdout  # the progress line
+    off = run_cli("tiny", "--epochs", "1", "--batch-size", "8", "--progress", "log",
+                  "--log-every", "2", "--data-sleep", "0.002", "--run-dir", "off",
+                  "--no-monitor", cwd=tmp_path)  # fmt: skip
+    assert off.returncode == 0 and "bottleneck" not in off.stderr, off.stderr[-3000:]
+    assert "data_wait" not in read_training_log(tmp_path / "off" / "steps.csv")[0]
 
 
 def _ranks(run):
