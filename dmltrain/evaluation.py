@@ -25,12 +25,13 @@ from torch.utils.data import DataLoader
 from dmltrain import data
 from dmltrain.batches import batch_size_of, to_device
 from dmltrain.distributed import Strategy
-from dmltrain.errors import UserError
+from dmltrain.errors import StopForRequeue, UserError
 from dmltrain.launch import DistInfo
 from dmltrain.metrics import MetricAccumulator
 from dmltrain.precision import Precision
 
 Output = Any  # a tensor, or a dict, tuple or list of them (lists: one item a sample)
+CHECK_EVERY = 8  # batches between the ranks' agreements on a preemption (--evaluate)
 
 
 @dataclass(frozen=True)
@@ -41,11 +42,19 @@ class Evaluator:
     strategy: Strategy
     precision: Precision
     device: torch.device
+    # --evaluate/--predict: whether the ranks agree to stop (a preemption signal; a
+    # collective), asked every CHECK_EVERY batches
+    stop: Callable[[], bool] | None = None
 
     def batches(self, loader: DataLoader, step: Callable[[Any], Any]) -> Iterator[tuple[Any, int]]:
         """``(step's output, how many samples it counts)`` per batch (``real_batches``)."""
         with torch.no_grad():
-            for batch, n in real_batches(loader, data.iterate(loader)):
+            for i, (batch, n) in enumerate(real_batches(loader, data.iterate(loader))):
+                if self.stop is not None and i % CHECK_EVERY == 0 and self.stop():
+                    raise StopForRequeue(
+                        "preempted during the evaluation: nothing is kept (it runs again whole, "
+                        "with the same result); exit status 3"
+                    )
                 yield self.precision.forward(step, to_device(batch, self.device)), n
 
     def metrics(

@@ -97,6 +97,7 @@ class BaseTrainer(TrainerHooks):
     step: OptimizerStep  # one optimizer step (dmltrain.step)
     epochs_this_job: int
     ranks: list[dict[str, Any]]  # what each rank reported at start (diagnostics.this_rank)
+    evaluator: evaluation.Evaluator  # validation, --evaluate and --predict over a loader
 
     def __init__(
         self,
@@ -376,6 +377,9 @@ class BaseTrainer(TrainerHooks):
         if test_set is not None:
             test = self.create_dataloader(data.keyed(test_set, self.config.loop.seed), False)
         results: dict[str, Any] = {"checkpoint": cfg.evaluating, "ema": cfg.ema}
+        signalled = self.watcher  # a preemption stops it, at the same batch on every rank
+        self.evaluator = dataclasses.replace(self.evaluator, stop=lambda: bool(
+            self.strategy.max_over_ranks([signalled.requested is not None])[0]))  # fmt: skip
         with self._evaluating_model():
             if cfg.predict:
                 if type(self).predict_step is TrainerHooks.predict_step:

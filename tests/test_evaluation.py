@@ -154,3 +154,25 @@ def test_evaluate_from_python_and_what_is_refused(trained, tmp_path):
         done = run_cli(*TINY, *flags, "--run-dir", str(tmp_path / "refused"), cwd=tmp_path)
         assert done.returncode == 2 and line in done.stderr, done.stderr
         assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_a_preempted_evaluation_stops_for_requeue_and_runs_again_whole(trained, tmp_path):
+    """SIGUSR1 to rank 1 at its first validation batch (tiny signals in train_step, which
+    its val_step calls): every rank stops at the same batch with exit status 3 and writes
+    nothing; run again, it gives the uninterrupted evaluation's numbers."""
+    checkpoint = str(sorted((trained / "checkpoints").glob("ckpt-*"))[-1])
+    args = ["tiny", "--progress", "off", "--val-samples", "40", "--nprocs", "2",
+            "--strategy", "fsdp", "--batch-size", "1", "--evaluate", checkpoint]  # fmt: skip
+    whole = run_cli(*args, "--run-dir", "whole", cwd=tmp_path)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    signal = ["--signal-rank", "1", "--signal-at-step", "0"]
+    cut = run_cli(*args, *signal, "--run-dir", "cut", cwd=tmp_path)
+    assert cut.returncode == 3, cut.stderr[-3000:]
+    assert "preempted during the evaluation" in cut.stderr
+    assert not (tmp_path / "cut" / "eval_metrics.json").exists()
+    again = run_cli(*args, "--run-dir", "cut", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    a, b = (
+        json.loads((tmp_path / run / "eval_metrics.json").read_text()) for run in ("whole", "cut")
+    )
+    assert a == b and a["val_samples"] == 40
