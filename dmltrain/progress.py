@@ -79,6 +79,11 @@ class Progress:
         else:
             yield from batches
 
+    def due(self, step: int) -> bool:
+        """Whether ``step`` ends a log interval: every ``log_every`` steps and the epoch's
+        last (the same on every rank; the monitor's collective runs then)."""
+        return step % self.log_every == 0 or step == self._total
+
     def step(
         self,
         step: int,
@@ -91,7 +96,7 @@ class Progress:
         the metrics (one device sync), shows them with ``extra`` (the monitor's) and
         returns them with ``samples_per_s`` (all ranks together). Nothing is read when
         nobody looks (progress off, no ``track``)."""
-        if (self.mode == "off" and not track) or (step % self.log_every and step != self._total):
+        if (self.mode == "off" and not track) or not self.due(step):
             return None
         now = time.perf_counter()
         rate = self.world_size * (samples - self._last_samples) / max(now - self._last_time, 1e-9)

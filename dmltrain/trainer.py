@@ -120,6 +120,7 @@ class BaseTrainer(TrainerHooks):
         check_available(self.config.numerics.precision, self.device)
         self.state = TrainState(self.device)
         self.tracker = Tracker()  # rank 0's real one is made in setup
+        self.watchdog = None  # made in setup when training
 
     # ----- the loop ------------------------------------------------------------------------
     def warn(self, message: str) -> None:
@@ -159,12 +160,12 @@ class BaseTrainer(TrainerHooks):
             lost = self.strategy.lost_peer(exc)
             if lost is None:
                 raise
-            if getattr(self, "watchdog", None) is not None:  # where a hung rank is
-                lost = self.watchdog.explain(lost)  # type: ignore[union-attr]
+            if self.watchdog is not None:  # where a hung rank is
+                lost = self.watchdog.explain(lost)
             raise lost from exc
         finally:
-            if getattr(self, "watchdog", None) is not None:
-                self.watchdog.stop()  # type: ignore[union-attr]
+            if self.watchdog is not None:
+                self.watchdog.stop()
             self.watcher.restore()
             if hasattr(self, "checkpointer"):
                 self.checkpointer.close()  # never exit with a write half done
@@ -256,7 +257,7 @@ class BaseTrainer(TrainerHooks):
             s.step_in_epoch = step
             self.step_clock.step()
             monitored = None  # every rank's clocks, gathered at the log interval
-            if step % loop.log_every == 0 or step == steps:
+            if self.progress.due(step):
                 monitored = self.monitor.interval(s.global_step)
             # rank 0's running means, read at the log interval only
             shown = self.progress.step(
@@ -393,10 +394,10 @@ class BaseTrainer(TrainerHooks):
                 path = self.evaluator.predict(loader, self.predict_step, self.run_dir, self.dist)
                 self.progress.info(f"dmltrain: predicted with {cfg.evaluating} -> {path}")
                 return {**results, "predictions": str(path)}
+            if self.val_loader is None and test is None:
+                raise UserError(f"--evaluate: {name} has no validation or test dataset")
             sets = {"val": (self.val_loader, self.val_step), "test": (test, self.test_step)}
             results.update(self.evaluator.evaluate(sets))
-        if len(results) == 2:
-            raise UserError(f"--evaluate: {name} has no validation or test dataset")
         path = self.run_dir / "eval_metrics.json"
         if self.dist.is_main:
             evaluation.write_metrics(path, results)
