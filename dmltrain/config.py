@@ -492,6 +492,63 @@ class TrackingConfig:
         return list(dict.fromkeys(names))
 
 
+@dataclass(frozen=True)
+class ProfilingConfig:
+    """Profiles on request (``dmltrain.profiling``); nothing is recorded unless asked for."""
+
+    profile_steps: str = field(
+        default="",
+        metadata={
+            "help": "A:B: torch.profiler from global step A to B; trace and top operators in "
+            "RUN_DIR/profile/ (e.g. 20:25)"
+        },
+    )
+    profile_ranks: str = field(
+        default="0", metadata={"help": "ranks profiled: 0, a list (0,3) or all"}
+    )
+    memory_snapshot: bool = field(
+        default=False,
+        metadata={
+            "help": "record the CUDA allocator's history; RUN_DIR/profile/memory-rank-N.pickle "
+            "(for pytorch.org/memory_viz) at the end of --profile-steps, else of the run"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        self.window(), self.ranks()  # each raises ConfigError on a bad value
+
+    def window(self) -> tuple[int, int] | None:
+        """``--profile-steps A:B`` as ``(A, B)``, 0 <= A < B; None when not asked for."""
+        text = self.profile_steps
+        if not text:
+            return None
+        start, sep, stop = text.partition(":")
+        check(
+            bool(sep) and start.strip().isdigit() and stop.strip().isdigit(),
+            f"--profile-steps {text!r}: give two global steps, A:B (e.g. 20:25)",
+        )
+        check(int(start) < int(stop), f"--profile-steps {text!r}: A must be below B")
+        return int(start), int(stop)
+
+    def ranks(self) -> frozenset[int] | None:
+        """``--profile-ranks``: the ranks profiled; None for all."""
+        text = self.profile_ranks.strip()
+        if text == "all":
+            return None
+        parts = [part.strip() for part in text.split(",")]
+        check(
+            all(part.isdigit() for part in parts),
+            f"--profile-ranks {text!r}: give all, a rank (0) or ranks (0,3)",
+        )
+        return frozenset(int(part) for part in parts)
+
+    def profiles(self, rank: int) -> bool:
+        """Whether ``rank`` records anything."""
+        ranks = self.ranks()
+        asked = self.window() is not None or self.memory_snapshot
+        return asked and (ranks is None or rank in ranks)
+
+
 # The sections: TrainConfig's attribute, the title of its flags in --help, its dataclass.
 SECTIONS: tuple[tuple[str, str, type], ...] = (
     ("loop", "training", LoopConfig),
@@ -501,6 +558,7 @@ SECTIONS: tuple[tuple[str, str, type], ...] = (
     ("checkpoint", "checkpointing", CheckpointConfig),
     ("preemption", "preemption", PreemptionConfig),
     ("tracking", "tracking", TrackingConfig),
+    ("profiling", "profiling", ProfilingConfig),
 )
 # Which section holds each setting (no two sections share a name, and no setting is
 # named like a section: config.NAME reads either).
@@ -525,6 +583,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig
     preemption: PreemptionConfig
     tracking: TrackingConfig
+    profiling: ProfilingConfig
 
     def __init__(self, **settings: Any) -> None:
         unknown = sorted(set(settings) - set(_SECTION_OF) - {attr for attr, _, _ in SECTIONS})

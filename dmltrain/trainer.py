@@ -30,6 +30,7 @@ from dmltrain import (
     monitor,
     preemption,
     processes,
+    profiling,
     progress,
     rng,
     rundir,
@@ -89,6 +90,7 @@ class BaseTrainer(TrainerHooks):
     step_clock: StepClock  # each step's time in the loader and in train_step (monitor)
     monitor: Monitor  # throughput, data stalls, stragglers at each log interval
     watchdog: Watchdog | None  # hangs (--hang-timeout)
+    profiler: profiling.Profiler | None  # --profile-steps, --memory-snapshot
     best_metric: str  # of the training log: best.pt and early stopping
     budget: Budget  # when the run is done: epochs, steps, time, early stopping
     total_steps: int  # optimizer steps by --epochs and --max-steps, known before the first
@@ -118,9 +120,11 @@ class BaseTrainer(TrainerHooks):
         # Chosen (and checked) now, so bad settings fail before any process starts.
         self.strategy = create_strategy(self.dist, self.config.distributed)
         check_available(self.config.numerics.precision, self.device)
+        profiling.check_available(self.config.profiling, self.device)
         self.state = TrainState(self.device)
         self.tracker = Tracker()  # rank 0's real one is made in setup
         self.watchdog = None  # made in setup when training
+        self.profiler = None  # made in setup when asked for
 
     # ----- the loop ------------------------------------------------------------------------
     def warn(self, message: str) -> None:
@@ -155,6 +159,12 @@ class BaseTrainer(TrainerHooks):
             self.setup()
             stopped, results = (None, [self._evaluate()]) if evaluating else (self._train(), None)
             self.tracker.finish(preempted=stopped is not None)
+        except torch.OutOfMemoryError as exc:
+            self.tracker.finish()
+            raise profiling.out_of_memory(
+                exc, self.run_dir / "profile", self.dist.rank, self.device,
+                self.state.global_step, self.config.loop.batch_size, self.config.precision,
+            ) from exc  # fmt: skip
         except Exception as exc:
             self.tracker.finish()
             lost = self.strategy.lost_peer(exc)
@@ -166,6 +176,8 @@ class BaseTrainer(TrainerHooks):
         finally:
             if self.watchdog is not None:
                 self.watchdog.stop()
+            if self.profiler is not None:
+                self.profiler.close()
             self.watcher.restore()
             if hasattr(self, "checkpointer"):
                 self.checkpointer.close()  # never exit with a write half done
@@ -194,6 +206,8 @@ class BaseTrainer(TrainerHooks):
         budget.start()
         if self.watchdog is not None:
             self.watchdog.start()
+        if self.profiler is not None:
+            self.profiler.at(s.global_step)
         before = budget.reason(budget.time_done()) or budget.stopped_early()
         if s.epoch >= epochs or before:  # e.g. a later job of a chain
             self.progress.info(
@@ -255,6 +269,8 @@ class BaseTrainer(TrainerHooks):
                     self.ema.update(s.global_step + 1)
             s.global_step += 1
             s.step_in_epoch = step
+            if self.profiler is not None:
+                self.profiler.at(s.global_step)
             self.step_clock.step()
             monitored = None  # every rank's clocks, gathered at the log interval
             if self.progress.due(step):
@@ -426,6 +442,13 @@ class BaseTrainer(TrainerHooks):
         threads.assign(cfg.distributed.threads, cfg.data.num_workers, self.ranks)
         torch.set_num_threads(self.ranks[dist.rank]["threads"])
         self.precision = Precision(cfg.numerics.precision, self.device)
+        if cfg.profiling.profiles(dist.rank):  # before the model: its memory is recorded
+            show = None  # the lowest rank profiled prints its table
+            if dist.rank == min(cfg.profiling.ranks() or {0}):
+                show = self.progress.info if dist.is_main else print
+            self.profiler = profiling.Profiler(
+                cfg.profiling, self.run_dir / "profile", dist.rank, self.device, show
+            )
         self.evaluator = evaluation.Evaluator(self.strategy, self.precision, self.device)
         torch.manual_seed(loop.seed)  # the same initial weights on every rank
         model = self.create_model().to(self.device)

@@ -64,6 +64,13 @@ class TinyOptions:
     prepare_log: str = field(
         default="", metadata={"help": "prepare_data appends 'HOST RANK' to this file"}
     )
+    oom_at_step: int = field(
+        default=0,
+        metadata={
+            "help": "run out of memory in this global step's train_step (on CUDA for real; "
+            "on CPU, where no such error exists, by raising torch.OutOfMemoryError)"
+        },
+    )
     one_cycle: bool = field(
         default=False,
         metadata={"help": "a OneCycleLR schedule stepped each step over self.total_steps"},
@@ -211,6 +218,10 @@ class TinyTrainer(BaseTrainer):
             time.sleep(o.slow_seconds)  # a straggler
         if self.global_step + 1 == o.pause_at_step and o.pause_rank in (-1, self.dist.rank):
             time.sleep(o.pause_seconds)  # a long step, or a rank blocked (a hang)
+        if self.global_step + 1 == o.oom_at_step:
+            if self.device.type == "cuda":
+                torch.empty(1 << 50, device=self.device)  # a petabyte: a real allocator failure
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1024.00 TiB")
         x, y, *index = batch
         if index:
             with open(self.run_dir / f"samples.{self.dist.rank}.txt", "a") as record:
