@@ -10,6 +10,7 @@ Config files (YAML or JSON) hold a flat mapping of field names (``batch_size`` o
 ``batch-size``) to values; experiment options live in the same mapping.
 """
 
+import argparse
 import dataclasses
 import json
 import signal
@@ -188,18 +189,35 @@ def per_process_batch(loop: LoopConfig, world_size: int) -> int:
     return total // share
 
 
+def _workers_flag(text: str) -> int | str:
+    """``--num-workers``'s value: "auto" or a number."""
+    if text == "auto" or text.isdigit():
+        return text if text == "auto" else int(text)
+    raise argparse.ArgumentTypeError(f"give auto or a number >= 0 (got {text!r})")
+
+
 @dataclass(frozen=True)
 class DataConfig:
     """Where data lives and how it is loaded."""
 
     data_dir: str = field(default="data", metadata={"help": "directory holding the dataset"})
-    num_workers: int = field(
-        default=0,
-        metadata={"help": "DataLoader worker processes (0 loads in the training process)"},
+    num_workers: int | Literal["auto"] = field(
+        default="auto",
+        metadata={
+            "type": _workers_flag,
+            "metavar": "N|auto",
+            "help": "DataLoader worker processes per training process (0 loads in the process); "
+            "auto: from the CPUs it has of its own: on a GPU all but one, on CPU a quarter "
+            "(0 below 4), at most 8",
+        },
     )
 
     def __post_init__(self) -> None:
-        check(self.num_workers >= 0, f"--num-workers must be >= 0 (got {self.num_workers})")
+        n = self.num_workers
+        check(
+            n == "auto" or (isinstance(n, int) and not isinstance(n, bool) and n >= 0),
+            f"--num-workers must be auto or a number >= 0 (got {n!r})",
+        )
 
 
 @dataclass(frozen=True)
@@ -632,7 +650,13 @@ def coerce(value: Any, annotation: Any, key: str, source: str) -> Any:
         options = [a for a in typing.get_args(annotation) if a is not type(None)]
         if value is None:
             return None
-        return coerce(value, options[0], key, source)
+        reasons = []
+        for option in options:  # the first type the value fits
+            try:
+                return coerce(value, option, key, source)
+            except ConfigError as exc:
+                reasons.append(str(exc).split(" must ", 1)[1].rsplit(" (got", 1)[0])
+        raise ConfigError(f"{source}: '{key}' must {' or '.join(reasons)} (got {value!r})")
     if origin is Literal:
         choices = typing.get_args(annotation)
         if value not in choices:

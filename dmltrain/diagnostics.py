@@ -183,6 +183,8 @@ def summary(info: dict[str, Any], path: Path) -> str:
     threads = sorted({(r["threads"], r["threads_why"]) for r in info["ranks"] if "threads" in r})
     if threads:
         where += "; CPU threads per process: " + ", ".join(f"{n} ({why})" for n, why in threads)
+        workers = sorted({r["workers"] for r in info["ranks"]})
+        where += "; loader workers: " + ", ".join(str(n) for n in workers)
     v = info["versions"]
     shown = ", ".join(
         f"{name} {v[key]}"

@@ -439,8 +439,10 @@ class BaseTrainer(TrainerHooks):
         self.config = cfg = cfg.replace(run_dir=str(self.run_dir))
         # Every rank's host and CPUs: each takes its share of its cores (dmltrain.threads).
         self.ranks = self.strategy.all_gather_object(diagnostics.this_rank(dist, self.environment))
-        threads.assign(cfg.distributed.threads, cfg.data.num_workers, self.ranks)
+        cuda = self.device.type == "cuda"
+        threads.assign(cfg.distributed.threads, cfg.data.num_workers, self.ranks, cuda)
         torch.set_num_threads(self.ranks[dist.rank]["threads"])
+        self.config = cfg = cfg.replace(num_workers=self.ranks[dist.rank]["workers"])  # no "auto"
         self.precision = Precision(cfg.numerics.precision, self.device)
         if cfg.profiling.profiles(dist.rank):  # before the model: its memory is recorded
             show = None  # the lowest rank profiled prints its table
@@ -526,8 +528,7 @@ class BaseTrainer(TrainerHooks):
     def _start_monitor(self) -> None:
         """The step clocks and what is made of them at each log interval (``monitor``)."""
         cfg, dist, me = self.config, self.dist, self.ranks[self.dist.rank]
-        workers = cfg.data.num_workers
-        hint = monitor.workers_hint(me["threads"] + workers, workers)  # its own CPUs
+        hint = monitor.workers_hint(me["threads"] + me["workers"], me["workers"])  # its own CPUs
         self.step_clock = StepClock(self.device, timing=cfg.tracking.monitor)
         self.watchdog = None
         if cfg.distributed.hang_watchdog:

@@ -32,9 +32,40 @@ def test_the_share_of_the_cores(ranks, workers, expected):
 
 
 def test_the_flag_then_the_users_omp_num_threads_win():
-    assert choose(3, 0, [rank(omp=2)], 0) == choose(3, 2, [rank()], 0)
+    assert choose(3, 0, [rank(omp=2)], 0).threads == choose(3, 2, [rank()], 0).threads == 3
     assert choose(3, 0, [rank(omp=2)], 0).why == "--threads"
     assert choose(0, 0, [rank(omp=2), rank(omp=2)], 0).threads == 2
+
+
+@pytest.mark.parametrize(
+    "ranks, cuda, workers, threads",
+    [
+        ([rank()], False, 1, 3),  # CPU: a quarter of the process's cores load
+        ([rank(), rank()], False, 0, 2),  # below 4 CPUs each: loading in the process
+        ([rank(cpus=range(64), cores=64)], False, 8, 56),  # at most 8
+        ([rank()], True, 3, 1),  # a GPU computes: all CPUs but one load
+        ([rank(), rank()], True, 1, 1),
+        ([rank(cpus=range(32), cores=32, per_task=6)] * 4, True, 5, 1),  # Slurm's share
+        ([rank(cpus=(0,), cores=1)], True, 0, 1),  # one CPU: nothing to spare
+    ],
+)
+def test_auto_workers_come_from_the_same_share(ranks, cuda, workers, threads):
+    choice = choose(0, "auto", ranks, 0, cuda)
+    assert (choice.workers, choice.threads) == (workers, threads)
+    assert choose(0, 2, ranks, 0, cuda).workers == 2  # a number is taken as it is
+
+
+def test_auto_workers_reach_the_loader_and_the_summary(tmp_path):
+    done = run_cli("tiny", "--epochs", "1", "--run-dir", "run", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    (line,) = [line for line in done.stdout.splitlines() if "CPU threads per process" in line]
+    diagnostics = json.loads((tmp_path / "run" / "diagnostics.json").read_text())
+    (me,) = diagnostics["ranks"]
+    expected = choose(0, "auto", [me], 0).workers  # 0 on a machine below 4 CPUs
+    assert me["workers"] == expected and line.endswith(f"loader workers: {expected}"), line
+    assert f"num_workers: {expected}" in (tmp_path / "run" / "config.yaml").read_text()
+    bad = run_cli("tiny", "--num-workers", "some", cwd=tmp_path)
+    assert bad.returncode == 2 and "--num-workers: give auto or a number >= 0" in bad.stderr
 
 
 def test_torchruns_own_omp_num_threads_is_not_the_users():
