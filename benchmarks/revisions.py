@@ -6,9 +6,11 @@ step slower, even with its options off?
 The same script (a 784-10 linear layer, batch 64, in-memory data, 3,000 steps, no
 validation, progress and tracking off; the median time between training forwards after
 100 steps) runs against REV's dmltrain (a git worktree) and this tree's, in fresh
-processes taking turns (REV, this, REV, this, ...), because separate runs drift with the
-machine's load. ``--settings`` are this tree's extra config settings (e.g. the options a
-later revision added, off). Reported: each side's median and the range over the repeats.
+processes taking turns (REV, this, this again, REV, ...), because separate runs drift
+with the machine's load. ``--settings`` are this tree's extra config settings (e.g. the
+options a later revision added, off). Reported: each side's median and range over the
+repeats, the ratio this / REV, and beside it this tree's second run against its first:
+identical code, so its spread is what "not measurable" means on this machine.
 """
 
 import argparse
@@ -78,12 +80,16 @@ def main(argv: list[str] | None = None) -> dict:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(old),
                         args.rev], check=True)  # fmt: skip
         try:
-            pairs = [(step_us(old, {}), step_us(ROOT, settings)) for _ in range(args.repeats)]
+            rounds = [
+                (step_us(old, {}), step_us(ROOT, settings), step_us(ROOT, settings))
+                for _ in range(args.repeats)
+            ]
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)],
                            check=False)  # fmt: skip
-    before, after = ([p[i] for p in pairs] for i in (0, 1))
-    ratios = [b / a for a, b in pairs]
+    before, after, again = ([r[i] for r in rounds] for i in (0, 1, 2))
+    ratios = [b / a for a, b, _ in rounds]
+    twins = [c / b for _, b, c in rounds]
     text = "\n".join([
         f"revisions: tiny model, batch 64, 3,000 steps, {args.repeats} fresh processes each in "
         f"turns; this tree with {settings or 'its defaults'}",
@@ -91,11 +97,13 @@ def main(argv: list[str] | None = None) -> dict:
         "|---|---|---|",
         f"| {args.rev} | {statistics.median(before):.1f} | {min(before):.1f}-{max(before):.1f} |",
         f"| this tree | {statistics.median(after):.1f} | {min(after):.1f}-{max(after):.1f} |",
+        f"| this tree again | {statistics.median(again):.1f} | {min(again):.1f}-{max(again):.1f} |",
         f"Ratio this / {args.rev}: median {statistics.median(ratios):.3f}x, range "
-        f"{min(ratios):.3f}-{max(ratios):.3f}x.",
+        f"{min(ratios):.3f}-{max(ratios):.3f}x; identical runs (this again / this): median "
+        f"{statistics.median(twins):.3f}x, range {min(twins):.3f}-{max(twins):.3f}x.",
     ])  # fmt: skip
     print(text, flush=True)
-    return {"markdown": text, "ratio": statistics.median(ratios)}
+    return {"markdown": text, "ratio": statistics.median(ratios), "twin": statistics.median(twins)}
 
 
 if __name__ == "__main__":

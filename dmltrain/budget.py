@@ -9,7 +9,6 @@ stopping reads the validation metrics, which are reduced over the ranks, so ever
 holds the same value and takes the same decision; its count is in every checkpoint.
 """
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -45,30 +44,31 @@ class Budget:
         self.loop, self.state, self.epochs_per_job = loop, state, epochs_per_job
         self.best_metric, self.mode = best_metric, mode
         self.max_seconds = time_limit_seconds(loop.max_time) if loop.max_time else None
-        self._base = state.train_seconds  # the earlier jobs' time
-        self._started = time.monotonic()
 
     def start(self) -> None:
         """The job's training starts now (after a resume has set ``train_seconds``)."""
-        self._base, self._started = self.state.train_seconds, time.monotonic()
-
-    def tick(self) -> None:
-        """Called at every step boundary: the run's training time so far."""
-        self.state.train_seconds = self._base + time.monotonic() - self._started
+        self.state.start_clock()
 
     def steps_done(self) -> bool:
         return bool(self.loop.max_steps) and self.state.global_step >= self.loop.max_steps
 
+    def last_step_in_epoch(self, steps: int) -> int:
+        """The step of the epoch in progress (1-based, of ``steps``) at which ``--max-steps``
+        ends the run before the epoch's end; 0 when it does not (checked once an epoch,
+        not at every step)."""
+        s, most = self.state, self.loop.max_steps
+        last = s.step_in_epoch + most - s.global_step if most else 0
+        return last if 0 < last < steps else 0
+
     def time_done(self) -> bool:
         """This rank's view (agree before acting on it)."""
-        return self.max_seconds is not None and self.state.train_seconds >= self.max_seconds
+        return self.max_seconds is not None and self.state.seconds() >= self.max_seconds
 
     def time_agreed(self, max_over_ranks: Callable[[list[int]], list[int]]) -> bool:
         """Whether any rank's clock says the --max-time budget is spent (a collective,
         only with a time budget)."""
         if self.max_seconds is None:
             return False
-        self.tick()
         return bool(max_over_ranks([self.time_done()])[0])
 
     def job_done(self, epochs_this_job: int) -> str | None:

@@ -5,6 +5,7 @@ checkpoint holds (``dmltrain.checkpointer``). Every rank keeps the same values, 
 ``metrics``: each rank's sums of the epoch in progress.
 """
 
+import time
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -22,7 +23,7 @@ class TrainState:
     best_value: float | None = None  # of --best-metric
     best_at: tuple[int, int] | None = None  # (epoch, global step) of the best validation
     bad_validations: int = 0  # in a row without improvement (--early-stop-patience)
-    train_seconds: float = 0.0  # the run's training time over all its jobs (--max-time)
+    train_seconds: float = 0.0  # the run's training time over all its jobs, as last loaded
     tracking_run_id: str | None = None
     skip_steps: set[tuple[int, int]] = field(default_factory=set)  # (epoch, step) known bad
     log_rows: list[dict[str, Any]] = field(default_factory=list)  # training_log.csv
@@ -30,9 +31,23 @@ class TrainState:
     # world_size [old, new], global_batch [old, new]
     world_size_changes: list[dict[str, Any]] = field(default_factory=list)
     metrics: MetricAccumulator = field(init=False)  # this rank's sums of the epoch in progress
+    # (train_seconds, time.monotonic()) when this job's training started (start_clock)
+    _clock: tuple[float, float] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self.metrics = MetricAccumulator(self.device)
+
+    def start_clock(self) -> None:
+        """This job's training starts now: ``seconds()`` counts on from ``train_seconds``."""
+        self._clock = (self.train_seconds, time.monotonic())
+
+    def seconds(self) -> float:
+        """The run's training time so far, over all its jobs (``--max-time``); read when
+        needed, not at every step."""
+        if self._clock is None:
+            return self.train_seconds
+        base, started = self._clock
+        return base + time.monotonic() - started
 
     def end_epoch(self) -> None:
         """The epoch in progress is done (its row is in ``log_rows``)."""
@@ -58,7 +73,7 @@ class TrainState:
             "best_value": self.best_value,
             "best_at": self.best_at,
             "bad_validations": self.bad_validations,
-            "train_seconds": self.train_seconds,
+            "train_seconds": self.seconds(),
             "tracking_run_id": self.tracking_run_id,
             "skip_steps": sorted(self.skip_steps),
             "training_log": list(self.log_rows),

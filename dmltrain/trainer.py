@@ -256,6 +256,7 @@ class BaseTrainer(TrainerHooks):
             sampler.set_epoch(s.epoch)
             sampler.start = s.step_in_epoch * loop.grad_accum * loop.batch_size
         steps = s.step_in_epoch + math.ceil(len(self.train_loader) / loop.grad_accum)
+        last = self.budget.last_step_in_epoch(steps)  # of --max-steps, when inside the epoch
         batches = chunks(self.step_clock.batches(data.iterate(self.train_loader)), loop.grad_accum)
         self.step_clock.restart()
         for step, micro_batches in enumerate(
@@ -272,15 +273,13 @@ class BaseTrainer(TrainerHooks):
             if self.profiler is not None:
                 self.profiler.at(s.global_step)
             self.step_clock.step()
-            monitored = None  # every rank's clocks, gathered at the log interval
-            if self.progress.due(step):
-                monitored = self.monitor.interval(s.global_step)
-            # rank 0's running means, read at the log interval only
-            shown = self.progress.step(
-                step, s.metrics.count, s.metrics.compute, self.dist.is_main, monitored
-            )
-            if shown is not None:  # rank 0, at the log interval
-                self._log_step(epoch, shown)
+            if self.progress.due(step):  # the log interval, and the epoch's last step
+                monitored = self.monitor.interval(s.global_step)  # every rank's clocks
+                shown = self.progress.step(  # rank 0's running means, read now only
+                    step, s.metrics.count, s.metrics.compute, self.dist.is_main, monitored
+                )
+                if shown is not None:  # rank 0
+                    self._log_step(epoch, shown)
             every = loop.val_every_steps
             if every and s.global_step % every == 0 and step < steps and self.val_loader:
                 with self._quiet():
@@ -291,7 +290,6 @@ class BaseTrainer(TrainerHooks):
                     self.checkpointer.save(best=True)
                 if stop_early:
                     return Done(stop_early, validated=True)
-            self.budget.tick()
             stopping, timed, finished = preemption.agree(
                 self.agreement, self.watcher, self.strategy.max_over_ranks,
                 self.checkpointer.minutes_due, self.budget.time_done,
@@ -299,7 +297,7 @@ class BaseTrainer(TrainerHooks):
             self.checkpointer.maybe_save(minutes=timed, stopping=stopping)
             if stopping:
                 return self._stop_for_preemption()
-            if step < steps and (finished or self.budget.steps_done()):
+            if (finished and step < steps) or step == last:  # a budget ends the run in the epoch
                 return Done(self.budget.reason(finished) or "")
         return None
 
