@@ -67,10 +67,13 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _add_plot(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("run_dir", help="a run directory (holding training_log.csv)")
     parser.add_argument(
-        "-o", "--output", help="PNG file to write (default: RUN_DIR/training_curves.png)"
+        "run_dir", help="a run directory (holding training_log.csv), or a sweep's (all trials)"
     )
+    parser.add_argument(
+        "-o", "--output",
+        help="PNG file to write (default: RUN_DIR/training_curves.png, a sweep's sweep_curves.png)",
+    )  # fmt: skip
 
 
 def _submit(args: argparse.Namespace) -> int:
@@ -83,6 +86,18 @@ def _add_submit(parser: argparse.ArgumentParser) -> None:
     from dmltrain import submit
 
     submit.add_arguments(parser)
+
+
+def _sweep(args: argparse.Namespace) -> int:
+    from dmltrain import sweep_submit
+
+    return sweep_submit.run(args, args.flags, args.check_flags, args.options_of)
+
+
+def _add_sweep(parser: argparse.ArgumentParser) -> None:
+    from dmltrain import sweep_submit
+
+    sweep_submit.add_arguments(parser)
 
 
 # Subcommands that are not experiments: name -> (help, add arguments, run).
@@ -100,6 +115,11 @@ TOOLS: dict[
         "write a Slurm or PBS batch script for an experiment and submit it",
         _add_submit,
         _submit,
+    ),
+    "sweep": (
+        "run the trials of a hyperparameter search as a Slurm job array or here (--local)",
+        _add_sweep,
+        _sweep,
     ),
     "doctor": (
         "check this environment (GPUs, backends, Horovod, wandb, a real all-reduce)",
@@ -292,6 +312,16 @@ def parse(
     return experiment, config, options
 
 
+def _option_names(experiments: dict[str, Experiment], name: str) -> set[str]:
+    """Every setting ``dmltrain NAME`` takes (TrainConfig's and the experiment's options)."""
+    if name not in experiments:
+        raise UserError(
+            f"unknown experiment {name!r}; choose from {', '.join(sorted(experiments))}"
+        )
+    cls = experiments[name].config_cls
+    return set(field_names(TrainConfig)) | (set(field_names(cls)) if cls else set())
+
+
 def _print_config_asked(argv: Sequence[str]) -> bool:
     probe = argparse.ArgumentParser(add_help=False)
     probe.add_argument("--print-config", action="store_true")
@@ -312,10 +342,11 @@ def main(argv: Sequence[str] | None = None, experiments: Sequence[Experiment] = 
     known = discover_experiments()
     known.update({experiment.name: experiment for experiment in experiments})
     if argv and argv[0] in TOOLS:
-        if argv[0] == "submit":  # the flags it does not know are the experiment's
+        if argv[0] in ("submit", "sweep"):  # the flags it does not know are the experiment's
             namespace, flags = build_parser(known).parse_known_args(argv)
             namespace.flags = flags
             namespace.check_flags = lambda flags: parse(flags, known)
+            namespace.options_of = lambda name: _option_names(known, name)
         else:
             namespace = build_parser(known).parse_args(argv)
         codes = []

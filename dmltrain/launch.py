@@ -158,6 +158,31 @@ def cpu_set() -> tuple[int, ...]:
     return tuple(range(os.cpu_count() or 1))
 
 
+def split_gpus(parts: int, env: Env | None = None) -> list[dict[str, str]]:
+    """The GPUs this process sees (``CUDA_VISIBLE_DEVICES``, else all of torch's), dealt
+    out to ``parts`` child processes: each one's ``CUDA_VISIBLE_DEVICES``; ``[{}] * parts``
+    without GPUs. Raises ValueError when there are fewer GPUs than parts."""
+    env = os.environ if env is None else env
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        gpus = [g.strip() for g in visible.split(",") if g.strip()]
+    else:
+        gpus = [str(i) for i in range(torch.cuda.device_count())]
+    if not gpus:
+        return [{} for _ in range(parts)]
+    if len(gpus) < parts:
+        raise ValueError(f"{len(gpus)} GPU(s) for {parts} processes: give each at least one")
+    each = len(gpus) // parts
+    return [
+        {"CUDA_VISIBLE_DEVICES": ",".join(gpus[i * each : (i + 1) * each])} for i in range(parts)
+    ]
+
+
+def child_env(extra: dict[str, str]) -> dict[str, str]:
+    """This process's environment with ``extra`` set: for a child process it starts."""
+    return {**os.environ, **extra}
+
+
 def default_device(local_rank: int = 0) -> str:
     """One process per GPU: local rank N uses cuda:N; the CPU when CUDA is absent."""
     if not torch.cuda.is_available():

@@ -1,9 +1,11 @@
 """``dmltrain plot RUN_DIR``: the loss and metric curves of ``training_log.csv`` as a PNG,
 and beside them, where the run wrote them: the step scalars of ``steps.csv`` by step, the
 throughput and the share of time spent waiting for data, and each rank's own time a step
-(``ranks.csv``)."""
+(``ranks.csv``). Of a sweep's directory (``dmltrain sweep``): every trial's validation
+curves in one figure, a panel a metric."""
 
 import csv
+import json
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +20,8 @@ BY_STEP = ("loss", "grad_norm")  # of steps.csv, when there
 
 def plot_run(run_dir: Path, output: Path | None = None) -> Path:
     """Write ``training_curves.png`` (or ``output``); a UserError if there is nothing to plot."""
+    if (run_dir / "sweep.json").is_file():
+        return plot_sweep(run_dir, output)
     log = run_dir / "training_log.csv"
     if not log.is_file():
         raise UserError(f"{log} does not exist: pass a run directory (--run-dir of a run)")
@@ -77,6 +81,46 @@ def plot_run(run_dir: Path, output: Path | None = None) -> Path:
     figure.suptitle(run_dir.name)
     figure.tight_layout()
     output = output or run_dir / "training_curves.png"
+    figure.savefig(output, dpi=DPI)
+    plt.close(figure)
+    return output
+
+
+def plot_sweep(sweep_dir: Path, output: Path | None = None) -> Path:
+    """``sweep_curves.png`` (or ``output``): each validation metric by epoch, a line per
+    trial that has validated, labelled with its options."""
+    trials = json.loads((sweep_dir / "sweep.json").read_text())["trials"]
+    logs = {}
+    for i, options in enumerate(trials):
+        log = sweep_dir / f"trial-{i}" / "training_log.csv"
+        rows = read_training_log(log) if log.is_file() else []
+        if rows:
+            label = f"{i}: " + ", ".join(f"{k}={v}" for k, v in options.items())
+            logs[label] = rows
+    if not logs:
+        raise UserError(f"no trial of {sweep_dir} has validated yet: nothing to plot")
+    metrics = sorted({c for rows in logs.values() for c in rows[0] if c.startswith("val_")})
+    if not metrics:
+        raise UserError(f"the trials of {sweep_dir} log no val_ metric: nothing to plot")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = len(metrics)
+    figure, axes = plt.subplots(1, panels, figsize=(SIZE[0] / 2 * panels, SIZE[1]), dpi=DPI,
+                                squeeze=False)  # fmt: skip
+    for axis, metric in zip(axes[0], metrics, strict=True):
+        for label, rows in logs.items():
+            axis.plot([r["epoch"] for r in rows], [r.get(metric) for r in rows], marker="o",
+                      label=label)  # fmt: skip
+        axis.set_xlabel("epoch")
+        axis.set_title(metric)
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize="small")
+    figure.suptitle(sweep_dir.name)
+    figure.tight_layout()
+    output = output or sweep_dir / "sweep_curves.png"
     figure.savefig(output, dpi=DPI)
     plt.close(figure)
     return output

@@ -7,6 +7,8 @@ holding a finished run with no checkpoint, a file, or a path that cannot be crea
 refused with one line.
 """
 
+import contextlib
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,7 +16,9 @@ from typing import Any
 
 from dmltrain import diagnostics
 from dmltrain.checkpoint import list_checkpoints
-from dmltrain.errors import UserError
+from dmltrain.errors import NonFiniteError, PeerLost, StopForRequeue, UserError, first_line
+
+OUTCOME = "outcome.json"  # how the run's last job ended (write_outcome)
 
 
 def default_path(name: str, job_id: str | None) -> str:
@@ -77,3 +81,24 @@ def write_records(run_dir: Path, config_yaml: str, info: dict[str, Any]) -> str:
     path = run_dir / "diagnostics.json"
     diagnostics.write(info, path)
     return diagnostics.summary(info, path)
+
+
+def write_outcome(run_dir: Path, exc: BaseException | None, global_step: int) -> None:
+    """``outcome.json``: ``done`` (no exception), ``stopped`` (to go on in a later job),
+    ``lost`` (a peer), ``nonfinite``, ``interrupted`` or ``failed``, with the message's
+    first line, the global step and the time."""
+    kinds = ((StopForRequeue, "stopped"), (PeerLost, "lost"), (NonFiniteError, "nonfinite"),
+             (KeyboardInterrupt, "interrupted"))  # fmt: skip
+    status = "done" if exc is None else next((k for t, k in kinds if isinstance(exc, t)), "failed")
+    record = {"status": status, "message": "" if exc is None else first_line(exc),
+              "global_step": global_step, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}  # fmt: skip
+    with contextlib.suppress(OSError):  # a full disk: the exit status still says it
+        (run_dir / OUTCOME).write_text(json.dumps(record) + "\n")
+
+
+def read_outcome(run_dir: Path) -> dict[str, Any] | None:
+    """``outcome.json`` of ``run_dir``, or None when its run has not ended a job yet."""
+    try:
+        return dict(json.loads((run_dir / OUTCOME).read_text()))
+    except (OSError, ValueError):
+        return None

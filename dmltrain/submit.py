@@ -16,6 +16,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from dmltrain.config import time_limit_seconds
 from dmltrain.errors import UserError
@@ -30,7 +31,14 @@ _TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("system", choices=sorted(SCRIPTS), help="the batch system")
     parser.add_argument("experiment", help="the experiment to run; its flags follow it")
-    resources = parser.add_argument_group("resources (the other flags go to the experiment)")
+    add_resources(parser.add_argument_group("resources (the other flags go to the experiment)"))
+    parser.add_argument(
+        "--dry-run", action="store_true", help="write and print the script; do not submit"
+    )
+
+
+def add_resources(resources: Any) -> None:
+    """The flags of a job's resources (an argparse parser or group)."""
     resources.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
     resources.add_argument(
         "--gpus-per-node", type=int, default=0, help="GPUs per node; one process each"
@@ -56,9 +64,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     resources.add_argument(
         "--env", help="conda env or venv to activate in the job (default: this one, if any)"
     )
-    resources.add_argument(
-        "--dry-run", action="store_true", help="write and print the script; do not submit"
-    )
 
 
 def scripts_dir() -> Path:
@@ -80,7 +85,7 @@ def current_env() -> str | None:
     return None
 
 
-def _set_directives(text: str, lines_by_key: dict[str, str]) -> str:
+def set_directives(text: str, lines_by_key: dict[str, str]) -> str:
     """Replace the directive line that starts with each key (``#SBATCH --nodes=``,
     ``#PBS -l walltime=``) by its new line; add the ones not there after the last."""
     lines = text.splitlines()
@@ -157,7 +162,7 @@ def render(args: argparse.Namespace, flags: Sequence[str], run_dir: Path, target
             raise UserError(f"--{name.replace('_', '-')} must not be {getattr(args, name)}")
     text = (scripts_dir() / choices[script]).read_text()
     directives = _slurm_directives if args.system == "slurm" else _pbs_directives
-    text = _set_directives(text, directives(args, script, run_dir))
+    text = set_directives(text, directives(args, script, run_dir))
     command = [args.experiment, *flags, "--run-dir", str(run_dir)]
     env = args.env if args.env is not None else current_env()
     filled = [

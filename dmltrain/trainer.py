@@ -151,6 +151,21 @@ class BaseTrainer(TrainerHooks):
         ``StopForRequeue`` (exit status 3) when the run stopped to go on in a later job."""
         if self.dist.starts_workers:
             return self._spawn_workers()
+        try:
+            rows = self._fit()
+        except BaseException as exc:
+            self._record_outcome(exc)
+            raise
+        self._record_outcome(None)
+        return rows
+
+    def _record_outcome(self, exc: BaseException | None) -> None:
+        """Rank 0: how this job of the run ended, in RUN_DIR/outcome.json (read by
+        ``dmltrain sweep status``); an evaluation leaves the run's record alone."""
+        if self.dist.is_main and hasattr(self, "run_dir") and not self.config.checkpoint.evaluating:
+            rundir.write_outcome(self.run_dir, exc, self.state.global_step)
+
+    def _fit(self) -> list[dict[str, Any]]:
         # Signals are caught from here on (setup can take long); the loop acts on them.
         self.watcher = preemption.PreemptionWatcher(self.config.preemption.signal_names())
         self.agreement = preemption.AgreementSchedule(self.config.preemption.preempt_check_seconds)

@@ -207,3 +207,19 @@ def test_job_id_from_batch_systems():
     assert launch.job_id(array) == "120_4"
     assert launch.job_id({"PBS_JOBID": "987.desched1"}) == "987"
     assert launch.job_id({}) is None
+
+
+def test_the_gpus_a_process_sees_are_dealt_out_to_its_children():
+    env = {"CUDA_VISIBLE_DEVICES": "0,1,2,3"}
+    assert launch.split_gpus(2, env) == [
+        {"CUDA_VISIBLE_DEVICES": "0,1"},
+        {"CUDA_VISIBLE_DEVICES": "2,3"},
+    ]
+    assert launch.split_gpus(4, env)[3] == {"CUDA_VISIBLE_DEVICES": "3"}
+    assert launch.split_gpus(3, {"CUDA_VISIBLE_DEVICES": ""}) == [
+        {},
+        {},
+        {},
+    ]  # no GPU: nothing to set
+    with pytest.raises(ValueError, match="2 GPU\\(s\\) for 3 processes"):
+        launch.split_gpus(3, {"CUDA_VISIBLE_DEVICES": "4,5"})

@@ -1,0 +1,335 @@
+"""The ``dmltrain sweep`` command: expand and check the trials (``dmltrain.sweep``), then
+submit them as a Slurm job array or run them on this machine (``--local``);
+``dmltrain sweep status DIR`` tells where each trial stands.
+
+An array task runs ``slurm/run.sh`` with the trial's command line read from
+``trial-<task>/args``: the batch script's preemption handling (requeue this task, resume
+its checkpoint) applies to each trial as to any run.
+"""
+
+import argparse
+import concurrent.futures
+import datetime
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from dmltrain import submit
+from dmltrain.errors import EXIT_PEER_LOST, UserError
+from dmltrain.launch import child_env, cpu_set, physical_cores, split_gpus
+from dmltrain.sweep import Sweep, best, check_trials, expand, load_space
+
+_EXIT_REQUEUE = 3
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "experiment", help="the experiment (its flags follow, the same for every trial), or "
+        "'status DIR [--best-metric M] [--best-mode min|max]' for a sweep's table"
+    )  # fmt: skip
+    sweep = parser.add_argument_group("the sweep (the other flags go to every trial)")
+    sweep.add_argument("--space", help="the options to vary (YAML): lists, {values}, {low, high}")
+    sweep.add_argument(
+        "--trials", type=int, default=1,
+        help="draws of the random options ({values}, {low, high}) per grid point (default 1)",
+    )  # fmt: skip
+    sweep.add_argument("--space-seed", type=int, default=0, help="seed of those draws")
+    sweep.add_argument(
+        "--name", help="the sweep's directory runs/NAME (default: EXPERIMENT-sweep-TIME)"
+    )
+    sweep.add_argument("--local", action="store_true", help="run the trials on this machine")
+    sweep.add_argument(
+        "--system", choices=["slurm", "pbs"], default="slurm",
+        help="submit a Slurm job array (default) or a PBS array job (qsub -J)",
+    )  # fmt: skip
+    sweep.add_argument(
+        "--parallel", type=int, default=1,
+        help="with --local: trials at once (their CPU threads split; default 1)",
+    )  # fmt: skip
+    sweep.add_argument(
+        "--max-parallel", type=int, default=0,
+        help="array tasks running at once (sbatch --array=...%%K; default: no limit)",
+    )  # fmt: skip
+    sweep.add_argument(
+        "--trials-per-task", type=int, default=1,
+        help="trials side by side in one array task (one process each; the task's GPUs, "
+        "else its CPU threads, split among them; default 1)",
+    )  # fmt: skip
+    sweep.add_argument("--dry-run", action="store_true", help="write the script; do not submit")
+    submit.add_resources(parser.add_argument_group("each array task's resources"))
+
+
+def run(args: argparse.Namespace, flags: Sequence[str], check_flags: Callable[[list[str]], object],
+        options_of: Callable[[str], set[str]]) -> int:  # fmt: skip
+    """``dmltrain sweep``: ``flags`` are the experiment's; ``options_of(experiment)`` its
+    option names; ``check_flags`` parses a command line as ``dmltrain`` would."""
+    if args.experiment == "status":
+        return status_command(list(flags))
+    if args.experiment == "task":  # inside an array task of --trials-per-task T
+        return task_command(list(flags))
+    fixed = list(flags)
+    if any(f == "--run-dir" or f.startswith("--run-dir=") for f in fixed):
+        raise UserError("dmltrain sweep chooses each trial's run directory; leave out --run-dir")
+    if not args.space:
+        raise UserError("dmltrain sweep EXPERIMENT --space sweep.yaml: give the options to vary")
+    for name in ("trials", "parallel", "trials_per_task"):
+        if getattr(args, name) < 1:
+            raise UserError(f"--{name} must be at least 1")
+    if args.trials_per_task > 1 and args.system == "pbs":
+        raise UserError("--trials-per-task is for Slurm arrays; on PBS leave it out")
+    if args.trials_per_task > 1 and (args.nodes != 1 or args.tasks_per_node > 1):
+        raise UserError("--trials-per-task runs its trials as processes of one task on one node: "
+                        "leave out --nodes and --tasks-per-node")  # fmt: skip
+    space = load_space(Path(args.space), options_of(args.experiment))
+    trials = expand(space, args.trials, args.space_seed)
+    check_flags([args.experiment, *fixed])  # the fixed flags alone: their own error first
+    check_trials(trials, fixed, args.experiment, check_flags)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    sweep = Sweep(Path("runs") / (args.name or f"{args.experiment}-sweep-{stamp}"))
+    sweep.create(args.experiment, fixed, trials)
+    left = sweep.left()
+    print(f"dmltrain sweep: {len(trials)} trial(s) in {sweep.directory} ({sweep.directory}/"
+          f"trials.csv); {len(left)} not done")  # fmt: skip
+    if not left:
+        print("dmltrain sweep: every trial is done; nothing to run")
+        return 0
+    if args.local:
+        return run_local(sweep, left, args.parallel)
+    if args.system == "pbs":
+        return submit_pbs_array(sweep, left, args)
+    return submit_array(sweep, left, args)
+
+
+def run_local(sweep: Sweep, left: list[int], parallel: int) -> int:
+    """Each trial in its own process, ``parallel`` at once, each run again while it exits
+    with status 3 (stopped to go on); output in ``trial-<i>/output.log``."""
+    threads = max(1, physical_cores(cpu_set()) // parallel)
+
+    def one(i: int) -> int:
+        args = sweep.args(i)
+        if parallel > 1 and not any(a == "--threads" or a.startswith("--threads=") for a in args):
+            args = [*args, "--threads", str(threads)]
+        with open(sweep.trial_dir(i) / "output.log", "a") as log:
+            while True:
+                code = subprocess.run([sys.executable, "-m", "dmltrain", *args], stdout=log,
+                                      stderr=subprocess.STDOUT).returncode  # fmt: skip
+                if code != _EXIT_REQUEUE:
+                    break
+        print(f"dmltrain sweep: trial {i}: {sweep.outcome(i)} (exit status {code})", flush=True)
+        return code
+
+    with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
+        codes = list(pool.map(one, left))
+    sweep.write_table()
+    failed = [i for i, code in zip(left, codes, strict=True) if code != 0]
+    if failed:
+        print(f"dmltrain sweep: trial(s) {', '.join(map(str, failed))} failed: see their "
+              "output.log", file=sys.stderr)  # fmt: skip
+        return 1
+    return 0
+
+
+def submit_array(sweep: Sweep, left: list[int], args: argparse.Namespace) -> int:
+    """The trials not done as one Slurm job array of ``slurm/run.sh`` tasks: a task per
+    trial, or per ``--trials-per-task`` trials (task k: trials kT to kT+T-1)."""
+    directory = sweep.directory.resolve()
+    target = directory / "sweep-slurm.sh"
+    name = args.job_name or f"sweep-{directory.name}"
+    per_task = args.trials_per_task
+    job = argparse.Namespace(**{**vars(args), "system": "slurm", "script": "run", "job_name": name})
+    if per_task > 1:
+        job.tasks_per_node = 1  # one process starts the task's trials
+    text = submit.render(job, [], directory, target)
+    output = f"{directory}/trial-%a/slurm-%A_%a.out"
+    if per_task > 1:
+        output = f"{directory}/task-%a-slurm-%A.out"
+    text = submit.set_directives(text, {"#SBATCH --output=": f"#SBATCH --output={output}"})
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("[ $# -gt 0 ] || set -- "))
+    command_lines = [  # the task's trial, or its trials started by `dmltrain sweep task`
+        'mapfile -t trial_args < "$sweep/trial-$trial/args"',
+        '[ $# -gt 0 ] || set -- "${trial_args[@]}"',
+    ]
+    if per_task > 1:
+        command_lines = [f'[ $# -gt 0 ] || set -- sweep task "$sweep" "$trial" {per_task}']
+        left = sorted({i // per_task for i in left})
+    lines[at - 1 : at + 1] = [
+        f"# Written by dmltrain sweep on {datetime.datetime.now():%Y-%m-%d %H:%M}: each task of "
+        "the array runs its trial(s); run the same dmltrain sweep command to go on.",
+        f"sweep={shlex.quote(str(directory))}",
+        "trial=${SLURM_ARRAY_TASK_ID:?submit this script as a job array (sbatch --array)}",
+        *command_lines,
+    ]
+    target.write_text("\n".join(lines) + "\n")
+    target.chmod(0o755)
+    array = ",".join(map(str, left)) + (f"%{args.max_parallel}" if args.max_parallel else "")
+    command = ["sbatch", "--parsable", f"--array={array}", str(target)]
+    if args.dry_run:
+        shown = shlex.join(command[:1] + command[2:])
+        print(f"dmltrain sweep: wrote {target}; submit it with: {shown}")
+        return 0
+    if shutil.which("sbatch") is None:
+        raise UserError("sbatch not found: run this on a Slurm login node, or add --local")
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise UserError(f"sbatch refused the array: {done.stderr.strip() or done.stdout}")
+    array_job = done.stdout.strip().split(";")[0]
+    sweep.add_job(array_job)
+    what = "tasks" if per_task > 1 else "trials"
+    print(f"dmltrain sweep: submitted job array {array_job} ({what} {array}); "
+          f"dmltrain sweep status {sweep.directory}")  # fmt: skip
+    return 0
+
+
+class _StatusParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UserError(f"{self.prog} DIR [--best-metric M] [--best-mode min|max]: {message}")
+
+
+def task_command(argv: list[str]) -> int:
+    """``dmltrain sweep task DIR K T``: array task K's trials (KT to KT+T-1) not done,
+    side by side, each in its own process with its share of the GPUs (else of the CPU
+    threads). A signal to this process (Slurm's USR1 before the time limit, scancel) is
+    passed on to every trial. Exit status 3 when a trial stopped to go on (the batch
+    script requeues the task; its done trials are not run again), else the first failure's."""
+    directory, task, per_task = Path(argv[0]), int(argv[1]), int(argv[2])
+    extra = argv[3:]  # what the batch script adds (--no-requeue)
+    sweep = Sweep(directory)
+    count = len(sweep.load()["trials"])
+    trials = [i for i in range(task * per_task, min((task + 1) * per_task, count))
+              if sweep.outcome(i) != "done"]  # fmt: skip
+    if not trials:
+        return 0
+    try:
+        devices = split_gpus(len(trials))
+    except ValueError as exc:
+        raise UserError(f"--trials-per-task {per_task}: {exc}") from None
+    threads = max(1, physical_cores(cpu_set()) // len(trials))
+    received: list[signal.Signals] = []
+    caught = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
+    for number in caught:
+        signal.signal(number, lambda signum, _frame: received.append(signal.Signals(signum)))
+    children = []
+    for trial, gpus in zip(trials, devices, strict=True):
+        args = [*sweep.args(trial), *extra]
+        if not gpus and not any(a == "--threads" or a.startswith("--threads=") for a in args):
+            args += ["--threads", str(threads)]
+        print(f"dmltrain sweep: task {task} starts trial {trial}", flush=True)
+        children.append(subprocess.Popen([sys.executable, "-m", "dmltrain", *args],
+                                         env=child_env(gpus)))  # fmt: skip
+    while any(child.poll() is None for child in children):
+        while received:  # passed on from here, not from the handler
+            number = received.pop(0)
+            for child in children:
+                if child.poll() is None:
+                    child.send_signal(number)
+        time.sleep(0.2)
+    codes = [child.returncode for child in children]
+    print(f"dmltrain sweep: task {task}: trials {trials} ended with {codes}", flush=True)
+    if any(code in (_EXIT_REQUEUE, EXIT_PEER_LOST) for code in codes):
+        return _EXIT_REQUEUE
+    return next((code for code in codes if code), 0)
+
+
+def status_command(argv: list[str]) -> int:
+    """``dmltrain sweep status DIR [--best-metric M] [--best-mode min|max]``."""
+    parser = _StatusParser(prog="dmltrain sweep status")
+    parser.add_argument("directory")
+    parser.add_argument("--best-metric", default="val_loss", help="the metric of the best trial")
+    parser.add_argument("--best-mode", choices=["min", "max"], default="min")
+    args = parser.parse_args(argv)
+    return status(Sweep(Path(args.directory)), args.best_metric, args.best_mode)
+
+
+def submit_pbs_array(sweep: Sweep, left: list[int], args: argparse.Namespace) -> int:
+    """The trials from the first to the last not done as one PBS array job (``qsub -J``:
+    a range; a subjob whose trial is done ends at once). A stopped trial resubmits itself
+    as a plain job (the PBS scripts' resubmission), which resumes its run directory."""
+    directory = sweep.directory.resolve()
+    target = directory / "sweep-pbs.sh"
+    name = args.job_name or f"sweep-{directory.name}"
+    job = argparse.Namespace(**{**vars(args), "script": args.script or "derecho", "job_name": name})
+    text = submit.render(job, [], directory, target)
+    text = submit.set_directives(text, {"#PBS -o ": f"#PBS -o {directory}/pbs-^array_index^.out"})
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("[ $# -gt 0 ] || set -- "))
+    lines[at - 1 : at + 1] = [
+        f"# Written by dmltrain sweep on {datetime.datetime.now():%Y-%m-%d %H:%M}: each subjob of "
+        "the array runs its trial; run the same dmltrain sweep command to go on.",
+        f"sweep={shlex.quote(str(directory))}",
+        'if [ $# -eq 0 ] && [ -z "${DMLTRAIN_ARGS:-}" ]; then  # a subjob: its trial',
+        "    trial=${PBS_ARRAY_INDEX:?submit this script as an array job (qsub -J)}",
+        '    if grep -qs \'"status": "done"\' "$sweep/trial-$trial/outcome.json"; then',
+        '        echo "dmltrain: trial $trial is done"',
+        "        exit 0",
+        "    fi",
+        '    mapfile -t trial_args < "$sweep/trial-$trial/args"',
+        '    set -- "${trial_args[@]}"',
+        "fi",
+    ]
+    target.write_text("\n".join(lines) + "\n")
+    target.chmod(0o755)
+    array = f"{left[0]}-{left[-1]}" + (f"%{args.max_parallel}" if args.max_parallel else "")
+    command = ["qsub", "-J", array, str(target)]
+    if args.dry_run:
+        print(f"dmltrain sweep: wrote {target}; submit it with: {shlex.join(command)}")
+        return 0
+    if shutil.which("qsub") is None:
+        raise UserError("qsub not found: run this on a PBS login node, or add --local")
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise UserError(f"qsub refused the array: {done.stderr.strip() or done.stdout}")
+    array_job = done.stdout.strip().splitlines()[0]
+    sweep.add_job(array_job)
+    print(f"dmltrain sweep: submitted array job {array_job} (trials {array}); "
+          f"dmltrain sweep status {sweep.directory}")  # fmt: skip
+    return 0
+
+
+def scheduler_states(jobs: list[str]) -> dict[int, str]:
+    """Each array task's state in Slurm's queue (pending, running) by trial; {} without
+    squeue or jobs."""
+    jobs = [job for job in jobs if "[" not in job]  # Slurm's (PBS array ids hold "[]")
+    if not jobs or shutil.which("squeue") is None:
+        return {}
+    done = subprocess.run(["squeue", "-h", "-r", "-j", ",".join(jobs), "-o", "%i %T"],
+                          capture_output=True, text=True)  # fmt: skip
+    states = {}
+    for line in done.stdout.splitlines():
+        task, _, state = line.partition(" ")
+        index = task.rpartition("_")[2]
+        if index.isdigit():
+            states[int(index)] = "running" if state == "RUNNING" else state.lower()
+    return states
+
+
+def status(sweep: Sweep, metric: str, mode: str) -> int:
+    """The trials' table (and trials.csv), then the best trial."""
+    rows = sweep.rows(metric, mode, scheduler_states(sweep.load()["jobs"]))
+    sweep.write_table(rows)
+    names = [k for k in rows[0] if k != "last"]
+    shown = [[_cell(row[k]) for k in names] for row in rows]
+    widths = [max(len(n), *(len(r[j]) for r in shown)) for j, n in enumerate(names)]
+    print("  ".join(n.ljust(w) for n, w in zip(names, widths, strict=True)).rstrip())
+    for row, cells in zip(rows, shown, strict=True):
+        line = "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+        print(line + (f"  ({row['last']})" if row["last"] else ""))
+    top = best(rows, metric, mode)
+    if top is None:
+        print(f"dmltrain sweep: no trial has validated {metric} yet")
+    else:
+        print(f"dmltrain sweep: best trial {top['trial']} ({metric} {top[metric]:.6g}): "
+              f"{sweep.trial_dir(top['trial'])}")  # fmt: skip
+    return 0
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
