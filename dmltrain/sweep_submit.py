@@ -83,9 +83,9 @@ def run(args: argparse.Namespace, flags: Sequence[str], check_flags: Callable[[l
             raise UserError(f"--{name} must be at least 1")
     if args.trials_per_task > 1 and args.system == "pbs":
         raise UserError("--trials-per-task is for Slurm arrays; on PBS leave it out")
-    if args.trials_per_task > 1 and (args.nodes != 1 or args.tasks_per_node > 1):
+    if args.trials_per_task > 1 and (args.nodes != 1 or args.tasks_per_node > 1 or args.script):
         raise UserError("--trials-per-task runs its trials as processes of one task on one node: "
-                        "leave out --nodes and --tasks-per-node")  # fmt: skip
+                        "leave out --nodes, --tasks-per-node and --script")  # fmt: skip
     space = load_space(Path(args.space), options_of(args.experiment))
     trials = expand(space, args.trials, args.space_seed)
     check_flags([args.experiment, *fixed])  # the fixed flags alone: their own error first
@@ -138,58 +138,66 @@ def run_local(sweep: Sweep, left: list[int], parallel: int) -> int:
 def submit_array(sweep: Sweep, left: list[int], args: argparse.Namespace) -> int:
     """The trials not done as one Slurm job array of ``slurm/run.sh`` tasks: a task per
     trial, or per ``--trials-per-task`` trials (task k: trials kT to kT+T-1)."""
-    directory = sweep.directory.resolve()
-    target = directory / "sweep-slurm.sh"
-    name = args.job_name or f"sweep-{directory.name}"
-    per_task = args.trials_per_task
-    job = argparse.Namespace(**{**vars(args), "system": "slurm", "script": "run", "job_name": name})
-    if per_task > 1:
-        job.tasks_per_node = 1  # one process starts the task's trials
-    text = submit.render(job, [], directory, target)
+    per_task, directory = args.trials_per_task, sweep.directory.resolve()
     output = f"{directory}/trial-%a/slurm-%A_%a.out"
-    if per_task > 1:
-        output = f"{directory}/task-%a-slurm-%A.out"
-    text = submit.set_directives(text, {"#SBATCH --output=": f"#SBATCH --output={output}"})
-    lines = text.splitlines()
-    at = next(i for i, line in enumerate(lines) if line.startswith("[ $# -gt 0 ] || set -- "))
-    command_lines = [  # the task's trial, or its trials started by `dmltrain sweep task`
+    body = [  # the task's trial, or its trials started by `dmltrain sweep task`
+        "trial=${SLURM_ARRAY_TASK_ID:?submit this script as a job array (sbatch --array)}",
         'mapfile -t trial_args < "$sweep/trial-$trial/args"',
         '[ $# -gt 0 ] || set -- "${trial_args[@]}"',
     ]
     if per_task > 1:
-        command_lines = [f'[ $# -gt 0 ] || set -- sweep task "$sweep" "$trial" {per_task}']
+        output = f"{directory}/task-%a-slurm-%A.out"
+        body[1:] = [f'[ $# -gt 0 ] || set -- sweep task "$sweep" "$trial" {per_task}']
         left = sorted({i // per_task for i in left})
+    directive = {"#SBATCH --output=": f"#SBATCH --output={output}"}
+    target = _write_script(sweep, args, "slurm", directive, body)
+    array = ",".join(map(str, left)) + (f"%{args.max_parallel}" if args.max_parallel else "")
+    what = f"job array ({'tasks' if per_task > 1 else 'trials'} {array})"
+    return _send(sweep, ["sbatch", "--parsable", f"--array={array}", str(target)], what, args)
+
+
+def _write_script(
+    sweep: Sweep, args: argparse.Namespace, system: str, output: dict[str, str], body: list[str]
+) -> Path:
+    """``sweep-<system>.sh``: the batch script ``dmltrain submit`` would write, its output
+    directive set to ``output``, each task's command line found by ``body``."""
+    directory = sweep.directory.resolve()
+    target = directory / f"sweep-{system}.sh"
+    script = args.script or ("run" if system == "slurm" else "derecho")
+    name = args.job_name or f"sweep-{directory.name}"
+    job = argparse.Namespace(**{**vars(args), "system": system, "script": script, "job_name": name})
+    if args.trials_per_task > 1:
+        job.tasks_per_node = 1  # one process starts the task's trials
+    lines = submit.set_directives(submit.render(job, [], directory, target), output).splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("[ $# -gt 0 ] || set -- "))
     lines[at - 1 : at + 1] = [
         f"# Written by dmltrain sweep on {datetime.datetime.now():%Y-%m-%d %H:%M}: each task of "
         "the array runs its trial(s); run the same dmltrain sweep command to go on.",
         f"sweep={shlex.quote(str(directory))}",
-        "trial=${SLURM_ARRAY_TASK_ID:?submit this script as a job array (sbatch --array)}",
-        *command_lines,
+        *body,
     ]
     target.write_text("\n".join(lines) + "\n")
     target.chmod(0o755)
-    array = ",".join(map(str, left)) + (f"%{args.max_parallel}" if args.max_parallel else "")
-    command = ["sbatch", "--parsable", f"--array={array}", str(target)]
+    return target
+
+
+def _send(sweep: Sweep, command: list[str], what: str, args: argparse.Namespace) -> int:
+    """Submit the array (``command``), or with ``--dry-run`` say how."""
+    tool = command[0]
     if args.dry_run:
-        shown = shlex.join(command[:1] + command[2:])
-        print(f"dmltrain sweep: wrote {target}; submit it with: {shown}")
+        shown = shlex.join([c for c in command if c != "--parsable"])
+        print(f"dmltrain sweep: wrote {command[-1]}; submit it with: {shown}")
         return 0
-    if shutil.which("sbatch") is None:
-        raise UserError("sbatch not found: run this on a Slurm login node, or add --local")
+    if shutil.which(tool) is None:
+        raise UserError(f"{tool} not found: run this on a {args.system} login node, or add --local")
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
-        raise UserError(f"sbatch refused the array: {done.stderr.strip() or done.stdout}")
-    array_job = done.stdout.strip().split(";")[0]
-    sweep.add_job(array_job)
-    what = "tasks" if per_task > 1 else "trials"
-    print(f"dmltrain sweep: submitted job array {array_job} ({what} {array}); "
+        raise UserError(f"{tool} refused the array: {done.stderr.strip() or done.stdout}")
+    job = done.stdout.strip().splitlines()[0].split(";")[0]
+    sweep.add_job(job)
+    print(f"dmltrain sweep: submitted {what.replace('(', f'{job} (', 1)}; "
           f"dmltrain sweep status {sweep.directory}")  # fmt: skip
     return 0
-
-
-class _StatusParser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        raise UserError(f"{self.prog} DIR [--best-metric M] [--best-mode min|max]: {message}")
 
 
 def task_command(argv: list[str]) -> int:
@@ -237,6 +245,11 @@ def task_command(argv: list[str]) -> int:
     return next((code for code in codes if code), 0)
 
 
+class _StatusParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise UserError(f"{self.prog} DIR [--best-metric M] [--best-mode min|max]: {message}")
+
+
 def status_command(argv: list[str]) -> int:
     """``dmltrain sweep status DIR [--best-metric M] [--best-mode min|max]``."""
     parser = _StatusParser(prog="dmltrain sweep status")
@@ -252,17 +265,7 @@ def submit_pbs_array(sweep: Sweep, left: list[int], args: argparse.Namespace) ->
     a range; a subjob whose trial is done ends at once). A stopped trial resubmits itself
     as a plain job (the PBS scripts' resubmission), which resumes its run directory."""
     directory = sweep.directory.resolve()
-    target = directory / "sweep-pbs.sh"
-    name = args.job_name or f"sweep-{directory.name}"
-    job = argparse.Namespace(**{**vars(args), "script": args.script or "derecho", "job_name": name})
-    text = submit.render(job, [], directory, target)
-    text = submit.set_directives(text, {"#PBS -o ": f"#PBS -o {directory}/pbs-^array_index^.out"})
-    lines = text.splitlines()
-    at = next(i for i, line in enumerate(lines) if line.startswith("[ $# -gt 0 ] || set -- "))
-    lines[at - 1 : at + 1] = [
-        f"# Written by dmltrain sweep on {datetime.datetime.now():%Y-%m-%d %H:%M}: each subjob of "
-        "the array runs its trial; run the same dmltrain sweep command to go on.",
-        f"sweep={shlex.quote(str(directory))}",
+    body = [
         'if [ $# -eq 0 ] && [ -z "${DMLTRAIN_ARGS:-}" ]; then  # a subjob: its trial',
         "    trial=${PBS_ARRAY_INDEX:?submit this script as an array job (qsub -J)}",
         '    if grep -qs \'"status": "done"\' "$sweep/trial-$trial/outcome.json"; then',
@@ -273,23 +276,10 @@ def submit_pbs_array(sweep: Sweep, left: list[int], args: argparse.Namespace) ->
         '    set -- "${trial_args[@]}"',
         "fi",
     ]
-    target.write_text("\n".join(lines) + "\n")
-    target.chmod(0o755)
+    output = {"#PBS -o ": f"#PBS -o {directory}/pbs-^array_index^.out"}
+    target = _write_script(sweep, args, "pbs", output, body)
     array = f"{left[0]}-{left[-1]}" + (f"%{args.max_parallel}" if args.max_parallel else "")
-    command = ["qsub", "-J", array, str(target)]
-    if args.dry_run:
-        print(f"dmltrain sweep: wrote {target}; submit it with: {shlex.join(command)}")
-        return 0
-    if shutil.which("qsub") is None:
-        raise UserError("qsub not found: run this on a PBS login node, or add --local")
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise UserError(f"qsub refused the array: {done.stderr.strip() or done.stdout}")
-    array_job = done.stdout.strip().splitlines()[0]
-    sweep.add_job(array_job)
-    print(f"dmltrain sweep: submitted array job {array_job} (trials {array}); "
-          f"dmltrain sweep status {sweep.directory}")  # fmt: skip
-    return 0
+    return _send(sweep, ["qsub", "-J", array, str(target)], f"array job (trials {array})", args)
 
 
 def scheduler_states(jobs: list[str]) -> dict[int, str]:
