@@ -49,9 +49,10 @@ def test_the_ranks_asked_for_write_a_trace_and_the_top_operators(tmp_path):
 
 def test_a_profiled_run_trains_the_same_and_an_unprofiled_one_records_nothing(tmp_path):
     plain, profiled = tmp_path / "plain", tmp_path / "profiled"
-    done = run_cli(*TINY, "--run-dir", str(plain), cwd=tmp_path)
+    done = run_cli(*TINY, "--epochs", "1", "--run-dir", str(plain), cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
-    done = run_cli(*TINY, "--profile-steps", "0:30", "--run-dir", str(profiled), cwd=tmp_path)
+    args = [*TINY, "--epochs", "1", "--profile-steps", "0:8", "--run-dir", str(profiled)]
+    done = run_cli(*args, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert_same_run(plain, profiled)
     assert (profiled / "profile" / "rank-0-ops.txt").exists()

@@ -26,6 +26,20 @@ SPACE = "lr: [0.001, 0.01]\nbatch-size: [8, 16]\n"
 TASK = ["--tasks-per-node", "1", "--cpus-per-task", "1", "--time", "00:10:00"]
 
 
+def preempt(task: str, out: Path) -> None:
+    """scancel --signal=USR1 TASK until its output says it stopped: with other tasks of
+    the array pending behind --max-parallel, slurmctld may answer "Job can not be altered
+    now" although the signal reached the running step."""
+    for _ in range(5):
+        subprocess.run(["scancel", "--signal=USR1", task], capture_output=True)
+        try:
+            wait_for(lambda: "preempted (SIGUSR1)" in out.read_text(), 10, f"{task} to stop")
+            return
+        except AssertionError:
+            continue
+    raise AssertionError(f"{task} did not stop on SIGUSR1:\n{out.read_text()[-3000:]}")
+
+
 @pytest.fixture(scope="module")
 def here(tmp_path_factory):
     """The 4 trials run on this machine, 2 at a time (--local): what each must equal."""
@@ -50,7 +64,7 @@ def test_a_grid_as_an_array_equals_its_trials_run_here_and_a_preempted_one_resum
     array = re.search(r"submitted job array (\d+) \(trials 0,1,2,3%2\)", done.stdout).group(1)
     out = tmp_path / "runs" / "array" / "trial-1" / f"slurm-{array}_1.out"
     wait_for(lambda: out.exists() and "epoch 1/3 step 3/" in out.read_text(), 240, "trial 1")
-    subprocess.run(["scancel", "--signal=USR1", f"{array}_1"], check=True)
+    preempt(f"{array}_1", out)
     release_requeues_until_done(f"{array}_1", tmp_path)
     for task in (0, 2, 3):
         wait_for(lambda t=task: job_field(f"{array}_{t}", "JobState") == "COMPLETED", 240, "tasks")
@@ -78,19 +92,29 @@ def test_a_grid_as_an_array_equals_its_trials_run_here_and_a_preempted_one_resum
     assert Path(tmp_path / "runs" / "array" / "sweep-slurm.sh").is_file()
 
 
-def test_two_trials_per_task_run_side_by_side_and_equal_their_runs_here(slurm, here, tmp_path):
-    """2 array tasks of 2 CPUs, each running 2 trials as 2 processes of 1 thread."""
+def test_two_trials_per_task_side_by_side_stop_together_and_equal_their_runs_here(
+    slurm, here, tmp_path
+):
+    """2 array tasks of 2 CPUs, each running 2 trials as 2 processes of 1 thread; task 0
+    is preempted: the signal reaches both its trials, which stop, and the task requeues."""
     (tmp_path / "sweep.yaml").write_text(SPACE)
     task = ["--cpus-per-task", "2", "--time", "00:10:00", "--trials-per-task", "2"]
-    args = ["sweep", *TINY_RUN, "--space", "sweep.yaml", "--name", "packed", *task]
+    slow = ["--step-sleep", "0.3", "--first-job-only"]
+    args = ["sweep", *TINY_RUN, *slow, "--space", "sweep.yaml", "--name", "packed", *task]
     done = run_cli(*args, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     array = re.search(r"submitted job array (\d+) \(tasks 0,1\)", done.stdout).group(1)
-    for t in (0, 1):
-        wait_for(lambda t=t: job_field(f"{array}_{t}", "JobState") == "COMPLETED", 240, "tasks")
     sweep = tmp_path / "runs" / "packed"
-    out = (sweep / f"task-1-slurm-{array}.out").read_text()
-    assert "task 1 starts trial 2" in out and "task 1 starts trial 3" in out, out[-2000:]
+    out = sweep / f"task-0-slurm-{array}.out"
+    wait_for(lambda: out.exists() and out.read_text().count("step 3/") >= 2, 240, "task 0")
+    preempt(f"{array}_0", out)
+    release_requeues_until_done(f"{array}_0", tmp_path)
+    wait_for(lambda: job_field(f"{array}_1", "JobState") == "COMPLETED", 240, "task 1")
+    log = out.read_text()
+    assert log.count("preempted (SIGUSR1)") == 2 and "requeueing job" in log, log[-3000:]
+    assert "task 0: trials [0, 1] ended with [3, 3]" in log, log[-3000:]
+    later = (sweep / f"task-1-slurm-{array}.out").read_text()
+    assert "task 1 starts trial 2" in later and "task 1 starts trial 3" in later
     for trial in range(4):
         assert_same_run(here / f"trial-{trial}", sweep / f"trial-{trial}")
         config = (sweep / f"trial-{trial}" / "config.yaml").read_text()
