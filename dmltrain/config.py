@@ -560,11 +560,12 @@ class ProfilingConfig:
         )
         return frozenset(int(part) for part in parts)
 
-    def profiles(self, rank: int) -> bool:
-        """Whether ``rank`` records anything."""
+    def profiled(self, world_size: int) -> list[int]:
+        """The ranks, of ``world_size``, that record anything (none when nothing is asked)."""
+        if self.window() is None and not self.memory_snapshot:
+            return []
         ranks = self.ranks()
-        asked = self.window() is not None or self.memory_snapshot
-        return asked and (ranks is None or rank in ranks)
+        return [r for r in range(world_size) if ranks is None or r in ranks]
 
 
 # The sections: TrainConfig's attribute, the title of its flags in --help, its dataclass.

@@ -78,12 +78,7 @@ def plot_run(run_dir: Path, output: Path | None = None) -> Path:
         axis.grid(alpha=0.3)
         if names:
             axis.legend()
-    figure.suptitle(run_dir.name)
-    figure.tight_layout()
-    output = output or run_dir / "training_curves.png"
-    figure.savefig(output, dpi=DPI)
-    plt.close(figure)
-    return output
+    return _save(figure, run_dir.name, output or run_dir / "training_curves.png")
 
 
 def plot_sweep(sweep_dir: Path, output: Path | None = None) -> Path:
@@ -118,9 +113,15 @@ def plot_sweep(sweep_dir: Path, output: Path | None = None) -> Path:
         axis.set_title(metric)
         axis.grid(alpha=0.3)
         axis.legend(fontsize="small")
-    figure.suptitle(sweep_dir.name)
+    return _save(figure, sweep_dir.name, output or sweep_dir / "sweep_curves.png")
+
+
+def _save(figure: Any, title: str, output: Path) -> Path:
+    """The figure, titled, written to ``output`` and closed."""
+    import matplotlib.pyplot as plt
+
+    figure.suptitle(title)
     figure.tight_layout()
-    output = output or sweep_dir / "sweep_curves.png"
     figure.savefig(output, dpi=DPI)
     plt.close(figure)
     return output

@@ -41,6 +41,11 @@ class TrainState:
         """This job's training starts now: ``seconds()`` counts on from ``train_seconds``."""
         self._clock = (self.train_seconds, time.monotonic())
 
+    @property
+    def training(self) -> bool:
+        """Whether this job's training has started (``start_clock``)."""
+        return self._clock is not None
+
     def seconds(self) -> float:
         """The run's training time so far, over all its jobs (``--max-time``); read when
         needed, not at every step."""

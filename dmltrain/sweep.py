@@ -98,6 +98,11 @@ def _draw(entry: dict[str, Any], generator: random.Random) -> Any:
     return float(f"{value:.6g}")  # as it is written in trials.csv and the command line
 
 
+def given(args: list[str], flag: str) -> bool:
+    """Whether command line ``args`` sets ``flag`` (``--flag V`` or ``--flag=V``)."""
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
 def flags(options: dict[str, Any]) -> list[str]:
     """A trial's options as command-line flags (booleans as ``--x``/``--no-x``)."""
     out = []
@@ -150,8 +155,8 @@ class Sweep:
                 )
             return
         self.directory.mkdir(parents=True, exist_ok=True)
-        grouped = any(f == "--wandb-group" or f.startswith("--wandb-group=") for f in fixed)
-        group = [] if grouped else ["--wandb-group", self.directory.name]  # one wandb group
+        group = ["--wandb-group", self.directory.name]  # the sweep's trials: one wandb group
+        group = [] if given(fixed, "--wandb-group") else group
         for i, options in enumerate(trials):
             run = self.trial_dir(i)
             run.mkdir(exist_ok=True)
@@ -184,11 +189,15 @@ class Sweep:
     def outcome(self, i: int) -> str:
         """What the trial's run directory says: pending (never ran), running (started, no
         job ended), or its outcome.json's status (done, stopped, failed, ...)."""
+        return str(self._record(i)["status"])
+
+    def _record(self, i: int) -> dict[str, Any]:
+        """The trial's outcome.json, or a status of pending or running without one."""
         run = self.trial_dir(i)
         record = rundir.read_outcome(run)
         if record is not None:
-            return str(record["status"])
-        return "running" if (run / "config.yaml").exists() else "pending"
+            return record
+        return {"status": "running" if (run / "config.yaml").exists() else "pending"}
 
     def rows(
         self, metric: str, mode: str = "min", scheduler: dict[int, str] | None = None
@@ -197,7 +206,8 @@ class Sweep:
         the run directory's), the best ``metric`` so far and the last line of a failure."""
         out = []
         for i, options in enumerate(self.load()["trials"]):
-            status = self.outcome(i)
+            record = self._record(i)
+            status = str(record["status"])
             queued = (scheduler or {}).get(i)
             if queued and status != "done":
                 status = queued
@@ -208,7 +218,6 @@ class Sweep:
             values = [row.get(metric, math.nan) for row in rows]
             values = [v for v in values if v == v]  # NaN: not validated in that row
             value = (min if mode == "min" else max)(values) if values else None
-            record = rundir.read_outcome(self.trial_dir(i)) or {}
             last = record.get("message", "") if status == "failed" else ""
             out.append({"trial": i, **options, "status": status, metric: value, "last": last})
         return out

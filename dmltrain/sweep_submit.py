@@ -23,7 +23,7 @@ from typing import Any, NoReturn
 from dmltrain import submit
 from dmltrain.errors import EXIT_PEER_LOST, UserError
 from dmltrain.launch import child_env, cpu_set, physical_cores, split_gpus
-from dmltrain.sweep import Sweep, best, check_trials, expand, load_space
+from dmltrain.sweep import Sweep, best, check_trials, expand, given, load_space
 
 _EXIT_REQUEUE = 3
 
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace, flags: Sequence[str], check_flags: Callable[[l
     if args.experiment == "task":  # inside an array task of --trials-per-task T
         return task_command(list(flags))
     fixed = list(flags)
-    if any(f == "--run-dir" or f.startswith("--run-dir=") for f in fixed):
+    if given(fixed, "--run-dir"):
         raise UserError("dmltrain sweep chooses each trial's run directory; leave out --run-dir")
     if not args.space:
         raise UserError("dmltrain sweep EXPERIMENT --space sweep.yaml: give the options to vary")
@@ -113,7 +113,7 @@ def run_local(sweep: Sweep, left: list[int], parallel: int) -> int:
 
     def one(i: int) -> int:
         args = sweep.args(i)
-        if parallel > 1 and not any(a == "--threads" or a.startswith("--threads=") for a in args):
+        if parallel > 1 and not given(args, "--threads"):
             args = [*args, "--threads", str(threads)]
         with open(sweep.trial_dir(i) / "output.log", "a") as log:
             while True:
@@ -226,7 +226,7 @@ def task_command(argv: list[str]) -> int:
     children = []
     for trial, gpus in zip(trials, devices, strict=True):
         args = [*sweep.args(trial), *extra]
-        if not gpus and not any(a == "--threads" or a.startswith("--threads=") for a in args):
+        if not gpus and not given(args, "--threads"):
             args += ["--threads", str(threads)]
         print(f"dmltrain sweep: task {task} starts trial {trial}", flush=True)
         children.append(subprocess.Popen([sys.executable, "-m", "dmltrain", *args],

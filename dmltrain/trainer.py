@@ -161,9 +161,16 @@ class BaseTrainer(TrainerHooks):
 
     def _record_outcome(self, exc: BaseException | None) -> None:
         """Rank 0: how this job of the run ended, in RUN_DIR/outcome.json (read by
-        ``dmltrain sweep status``); an evaluation leaves the run's record alone."""
-        if self.dist.is_main and hasattr(self, "run_dir") and not self.config.checkpoint.evaluating:
-            rundir.write_outcome(self.run_dir, exc, self.state.global_step)
+        ``dmltrain sweep status``). An evaluation leaves the run's record alone, and so does
+        a job refused before it trained (a resume with other settings): an earlier job's
+        record stays; a run's first job records its refusal."""
+        evaluating = self.config.checkpoint.evaluating
+        if not self.dist.is_main or not hasattr(self, "run_dir") or evaluating:
+            return
+        refused = isinstance(exc, UserError) and not self.state.training
+        if refused and rundir.read_outcome(self.run_dir) is not None:
+            return
+        rundir.write_outcome(self.run_dir, exc, self.state.global_step)
 
     def _fit(self) -> list[dict[str, Any]]:
         # Signals are caught from here on (setup can take long); the loop acts on them.
@@ -457,9 +464,10 @@ class BaseTrainer(TrainerHooks):
         torch.set_num_threads(self.ranks[dist.rank]["threads"])
         self.config = cfg = cfg.replace(num_workers=self.ranks[dist.rank]["workers"])  # no "auto"
         self.precision = Precision(cfg.numerics.precision, self.device)
-        if cfg.profiling.profiles(dist.rank):  # before the model: its memory is recorded
+        profiled = cfg.profiling.profiled(dist.world_size)
+        if dist.rank in profiled:  # before the model: its memory is recorded
             show = None  # the lowest rank profiled prints its table
-            if dist.rank == min(cfg.profiling.ranks() or {0}):
+            if dist.rank == profiled[0]:
                 show = self.progress.info if dist.is_main else print
             self.profiler = profiling.Profiler(
                 cfg.profiling, self.run_dir / "profile", dist.rank, self.device, show

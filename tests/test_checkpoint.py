@@ -1,5 +1,6 @@
 """Checkpoint files: atomic writes, links, keep-last, safe loading, bit-exact resume."""
 
+import json
 import os
 import random
 import signal
@@ -166,7 +167,9 @@ def test_config_mismatch_on_resume_is_refused_and_nothing_overwritten(tmp_path):
         "--global-batch-size 8 (or --batch-size 8)" in line  # fmt: skip
     seed = run_cli(*TINY, "--seed", "5", "--run-dir", str(run), cwd=tmp_path)
     assert seed.returncode == 2 and "seed is 5 now but was 0" in seed.stderr
+    # outcome.json included: the refused jobs leave the finished job's record
     assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+    assert json.loads((run / "outcome.json").read_text())["status"] == "done"
     missing = run_cli(
         *TINY, "--resume", str(tmp_path / "no.pt"), "--run-dir", str(tmp_path / "r2"), cwd=tmp_path
     )

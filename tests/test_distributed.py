@@ -51,6 +51,7 @@ def test_spawn_writes_once_from_rank_0(reference):
         "config.yaml",
         "diagnostics.json",
         "final_weights.pt",
+        "outcome.json",
         "ranks.csv",
         "steps.csv",
         "training_log.csv",

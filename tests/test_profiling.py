@@ -20,9 +20,10 @@ def test_the_window_is_a_pair_of_global_steps_and_the_ranks_a_list():
     assert ProfilingConfig(profile_steps="20:25").window() == (20, 25)
     assert ProfilingConfig(profile_ranks="all").ranks() is None
     assert ProfilingConfig(profile_ranks="0,3").ranks() == {0, 3}
-    assert not ProfilingConfig(profile_ranks="all").profiles(0)  # nothing asked for
-    assert ProfilingConfig(profile_steps="1:2", profile_ranks="3").profiles(3)
-    assert not ProfilingConfig(profile_steps="1:2", profile_ranks="3").profiles(0)
+    assert ProfilingConfig(profile_ranks="all").profiled(4) == []  # nothing asked for
+    assert ProfilingConfig(profile_steps="1:2", profile_ranks="all").profiled(3) == [0, 1, 2]
+    assert ProfilingConfig(profile_steps="1:2", profile_ranks="3,1").profiled(4) == [1, 3]
+    assert ProfilingConfig(memory_snapshot=True).profiled(2) == [0]
     for steps in ("20", "25:20", "a:b", "3:3"):
         with pytest.raises(ConfigError, match="--profile-steps"):
             ProfilingConfig(profile_steps=steps)
