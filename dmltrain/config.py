@@ -244,15 +244,18 @@ class DistConfig:
         default="auto", metadata={"help": "collective backend (auto: nccl with CUDA, else gloo)"}
     )
     dist_timeout: float = field(
-        default=60.0,
-        metadata={"help": "seconds a rank waits for the others before giving up"},
+        default=300.0,
+        metadata={
+            "help": "seconds a rank waits for the others before giving up (raise it when "
+            "rank 0 does long work alone: checkpoints of a very large model)"
+        },
     )
     hang_timeout: float = field(
         default=0.0,
         metadata={
             "help": "seconds with no step ended before every rank writes its stacks to "
             "RUN_DIR/hang/ and the run stops (exit 5); at least 20x the slowest step so far. "
-            "0: auto (that, at least 30 s, at most 0.8x --dist-timeout)"
+            "0: auto (that, at least 180 s, at most 0.8x --dist-timeout)"
         },
     )
     hang_watchdog: bool = field(default=True, metadata={"help": "watch for hangs (--hang-timeout)"})

@@ -44,13 +44,13 @@ from dmltrain.launch import DistInfo
 from dmltrain.monitor import StepClock
 
 MULTIPLE = 20  # of the slowest step so far
-AUTO_FLOOR = 30.0  # seconds, --hang-timeout 0
+AUTO_FLOOR = 180.0  # seconds, --hang-timeout 0: a few minutes
 AUTO_SHARE = 0.8  # of --dist-timeout: the stacks are written before a collective gives up
 
 
 def limits(hang_timeout: float, dist_timeout: float) -> tuple[float, float]:
     """(the shortest timeout, the longest): ``--hang-timeout`` and no limit; for 0 (auto)
-    30 s and below ``--dist-timeout``, so the stacks are written before a collective
+    180 s and below ``--dist-timeout``, so the stacks are written before a collective
     waiting for the hung rank gives up."""
     if hang_timeout:
         return hang_timeout, float("inf")

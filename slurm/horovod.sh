@@ -50,7 +50,7 @@ echo "dmltrain: job $job, restart ${SLURM_RESTART_COUNT:-0}, nodes ${SLURM_JOB_N
 
 # --strategy horovod: the ranks come from MPI (Horovod's MPI controller).
 # --wait: see slurm/run.sh.
-srun --mpi="${DMLTRAIN_SRUN_MPI:-pmix}" --wait="${DMLTRAIN_SRUN_WAIT:-120}" \
+srun --mpi="${DMLTRAIN_SRUN_MPI:-pmix}" --wait="${DMLTRAIN_SRUN_WAIT:-330}" \
     dmltrain "$@" --strategy horovod --no-requeue
 status=$?
 # >>> dmltrain block: slurm-requeue.sh (edit slurm/blocks/slurm-requeue.sh, then run sync.py)

@@ -53,7 +53,7 @@ echo "dmltrain: job $job, restart ${SLURM_RESTART_COUNT:-0}, nodes ${SLURM_JOB_N
 # (--dist-timeout). --wait: once a rank has exited, srun waits this long for the others,
 # then ends the step: a node whose link is down never reports its ranks' exit, and the job
 # would stay RUNNING. DMLTRAIN_SRUN_WAIT (seconds) must stay above --dist-timeout + 20.
-srun --wait="${DMLTRAIN_SRUN_WAIT:-120}" dmltrain "$@" --no-requeue
+srun --wait="${DMLTRAIN_SRUN_WAIT:-330}" dmltrain "$@" --no-requeue
 status=$?
 
 # >>> dmltrain block: slurm-requeue.sh (edit slurm/blocks/slurm-requeue.sh, then run sync.py)

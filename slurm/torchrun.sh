@@ -55,7 +55,7 @@ echo "dmltrain: job $job, restart ${SLURM_RESTART_COUNT:-0}, ${SLURM_JOB_NUM_NOD
 status_file="${SLURM_SUBMIT_DIR:-$PWD}/.dmltrain-status-$job"
 rm -f "$status_file"
 # --wait: see slurm/run.sh.
-srun --ntasks-per-node=1 --wait="${DMLTRAIN_SRUN_WAIT:-120}" torchrun \
+srun --ntasks-per-node=1 --wait="${DMLTRAIN_SRUN_WAIT:-330}" torchrun \
     --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node="$nproc" \
     --rdzv-backend=c10d --rdzv-endpoint="$head_node:$port" --rdzv-id="$job" \
     -m dmltrain "$@" --no-requeue --status-file "$status_file"

@@ -1,5 +1,6 @@
 """The user's path: `dmltrain mnist` on the bundled sample, as a new user runs it."""
 
+import csv
 import itertools
 import json
 import math
@@ -42,6 +43,10 @@ def test_one_epoch_on_the_sample(tmp_path, http_dir):
     assert row["train_loss"] < math.log(10) and row["val_loss"] < row["train_loss"]
     assert row["val_acc"] > 0.85
     assert "epoch 1/1 train_loss" in done.stdout
+    # MNIST states its FLOPs a sample: the achieved TFLOP/s is logged (MFU needs a GPU's peak)
+    steps = list(csv.DictReader((run / "steps.csv").open()))
+    assert steps and all(float(row["tflops"]) > 0 for row in steps)
+    assert "mfu" not in steps[0]
 
 
 @pytest.mark.slow

@@ -107,3 +107,66 @@ def test_a_slowed_rank_is_named_and_a_healthy_run_names_nobody(tmp_path, cause):
         assert run_cli("plot", "slowed", cwd=tmp_path).returncode == 0
         png = (tmp_path / "slowed" / "training_curves.png").read_bytes()
         assert struct.unpack(">II", png[16:24]) == (3000, 450)  # a fifth panel: ranks.csv
+
+
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_on_a_gpu_compute_is_the_gpus_time_read_at_the_interval_without_a_sync_per_step():
+    """train_step only queues a large matmul (the host returns at once); CUDA events
+    read at the interval give the GPU's time, which the host's loop never waited for."""
+    device = torch.device("cuda")
+    a = torch.randn(8192, 8192, device=device)
+    a @ a  # cuBLAS's first call sets itself up
+    torch.cuda.synchronize()
+    clock = StepClock(device)
+    step = clock.timed(lambda batch: a @ a)
+    began = time.perf_counter()
+    for batch in clock.batches(range(10)):
+        step(batch)
+        clock.step()
+    queued = time.perf_counter() - began  # no step waited for the GPU
+    steps, seconds, _, compute = clock.read()
+    assert steps == 10 and compute > 0
+    assert queued < 0.5 * compute, (queued, compute)
+    assert compute <= seconds * 1.01, (compute, seconds)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_on_a_gpu_mfu_is_the_achieved_flops_over_a_known_peak():
+    """bf16 matmuls of known FLOPs: the MFU is a fraction (the peak table is not below
+    what the device does) and not a tiny one (nor far above)."""
+    from dmltrain.monitor import peak_flops
+
+    device = torch.device("cuda")
+    peak = peak_flops(device, "bf16")
+    name = torch.cuda.get_device_name(device)
+    assert peak is not None, f"{name}: add its dense peak to dmltrain.monitor.PEAK_FLOPS"
+    n = 8192
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    a @ a
+    torch.cuda.synchronize()
+    clock, warnings = StepClock(device), []
+    monitor = Monitor(clock, lambda values: values, 0, ["gpu"], 1.2, warnings.append, None,
+                      flops_per_sample=2.0 * n**3, peak=peak, global_batch=1)  # fmt: skip
+    step = clock.timed(lambda batch: a @ a)
+    for batch in clock.batches(range(50)):
+        step(batch)
+        clock.step()
+    values = monitor.interval(50)
+    assert 0.2 < values["mfu"] < 1.0, values
+    assert values["tflops"] == pytest.approx(values["mfu"] * peak / 1e12)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_mnist_on_a_gpu_logs_its_mfu(tmp_path):
+    args = ["mnist", "--epochs", "1", "--precision", "bf16", "--log-every", "10",
+            "--no-download", "--data-dir", "data", "--run-dir", "run"]  # fmt: skip
+    done = run_cli(*args, cwd=tmp_path, gpus=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = list(csv.DictReader((tmp_path / "run" / "steps.csv").open()))
+    assert rows and all(0 < float(row["mfu"]) < 1 for row in rows), rows[:2]

@@ -4,9 +4,14 @@ are written and the run ends with the lost-peer status (5), which the batch scri
 requeue; a long but healthy step is not a hang."""
 
 import json
+import pickle
+import subprocess
+import sys
 import time
 
-from helpers import run_cli
+import pytest
+import torch
+from helpers import cli_env, run_cli
 
 from dmltrain.watchdog import limits
 
@@ -16,7 +21,8 @@ BASE = ["tiny", "--nprocs", "2", "--batch-size", "4", "--epochs", "1", "--progre
 
 def test_the_timeout_is_the_flag_or_stays_below_the_collectives_own():
     assert limits(5.0, 60.0) == (5.0, float("inf"))
-    assert limits(0.0, 60.0) == (30.0, 48.0)  # auto: 30 s, below --dist-timeout
+    assert limits(0.0, 300.0) == (180.0, 240.0)  # auto: a few minutes, below --dist-timeout
+    assert limits(0.0, 60.0) == (48.0, 48.0)
     assert limits(0.0, 20.0) == (16.0, 16.0)
 
 
@@ -66,3 +72,23 @@ def test_a_long_healthy_step_is_not_a_hang(tmp_path):
     done = run_cli(*BASE, *long_step, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "hang" not in done.stderr and not (tmp_path / "run" / "hang").exists()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_with_nccl_a_hang_also_dumps_the_flight_recorder(tmp_path):
+    """One NCCL rank (torchrun, DDP: a real NCCL process group on one GPU) blocked in
+    train_step: besides its stacks it writes NCCL's record of the last collectives."""
+    blocked = ["tiny", "--strategy", "ddp", "--epochs", "1", "--batch-size", "8",
+               "--progress", "off", "--hang-timeout", "3", "--pause-at-step", "3",
+               "--pause-seconds", "120", "--run-dir", "run"]  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+         "-m", "dmltrain", *blocked],
+        cwd=tmp_path, env=cli_env(gpus=True), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode != 0 and "no step ended for" in done.stderr, done.stderr[-3000:]
+    hang = tmp_path / "run" / "hang"
+    assert "time.sleep(o.pause_seconds)" in (hang / "rank-0.txt").read_text()
+    record = pickle.loads((hang / "nccl-rank-0.pkl").read_bytes())
+    assert record["entries"], record.keys()  # setup's all-gather at least
