@@ -45,6 +45,11 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+class TooNew(UserError):
+    """A checkpoint written by a newer dmltrain: not corrupt, and never skipped for an older
+    one (the older one's run would go on and rotate the newer files away)."""
+
+
 class WriteFailed(UserError):
     """A checkpoint could not be written (a full disk, a quota); the files already there,
     ``latest`` among them, are untouched."""
@@ -61,10 +66,12 @@ def atomic_save(obj: Any, path: Path) -> None:
             os.fsync(handle.fileno())
         os.replace(tmp, path)
     except (OSError, RuntimeError) as exc:  # torch reports a short write as RuntimeError
-        written = tmp.stat().st_size if tmp.exists() else 0  # removed in finally
+        written = tmp.stat().st_size if tmp.exists() else 0
+        tmp.unlink(missing_ok=True)  # first: the free space is measured without it
         raise WriteFailed(_why_not_written(path, exc, written)) from None
-    finally:
+    except BaseException:  # an interrupt mid-write
         tmp.unlink(missing_ok=True)
+        raise
     _fsync_dir(path.parent)
 
 
@@ -131,7 +138,7 @@ def load_file(path: Path) -> dict[str, Any]:
     if "model" not in state:
         raise UserError(f"{path} is not a dmltrain checkpoint (no 'model' entry)")
     if state.get("format_version", 0) > FORMAT_VERSION:
-        raise UserError(
+        raise TooNew(
             f"checkpoint {path} has format {state['format_version']}; this dmltrain reads "
             f"up to {FORMAT_VERSION}: upgrade dmltrain"
         )
@@ -177,11 +184,23 @@ def sharded_shapes(path: Path, prefix: str = "model.") -> dict[str, tuple[int, .
 
 
 def load_latest_valid(directory: Path, warn: Any) -> tuple[Path, dict[str, Any]] | None:
-    """The newest checkpoint that loads; corrupt ones are reported and skipped."""
-    for path in list_checkpoints(directory):
+    """The newest checkpoint that loads, or None when there is none; corrupt ones are
+    reported and skipped. A directory whose checkpoints all fail to load, or whose newest
+    loadable one is of a newer format (``TooNew``), is a ``UserError``: going on from step
+    0 there would rotate those checkpoints away."""
+    found = list_checkpoints(directory)
+    for path in found:
         try:
             return path, load_file(path)
+        except TooNew:
+            raise
         except UserError as exc:
+            if path == found[-1]:
+                raise UserError(
+                    f"none of the {len(found)} checkpoint(s) in {directory} loads (the oldest: "
+                    f"{exc}); nothing was changed: move them away to start this run over, or "
+                    "pass a new --run-dir"
+                ) from None
             warn(f"{exc}; falling back to the previous checkpoint")
     return None
 

@@ -97,6 +97,7 @@ class Checkpointer:
                 "use --checkpoint-format full with horovod"
             )
         self.last_save = time.monotonic()
+        self.written = 0  # checkpoints this job saved (the batch scripts' --status-file)
 
     # ----- when -------------------------------------------------------------------------
     def minutes_due(self) -> bool:
@@ -194,6 +195,8 @@ class Checkpointer:
                 raise WriteFailed(failed)
             if main:
                 self.warn(f"{failed}; training goes on and tries again at the next checkpoint")
+        else:
+            self.written += 1
 
     def wait(self) -> None:
         """Block until a background write is on disk (rank 0)."""

@@ -15,6 +15,7 @@ import dataclasses
 import gc
 import importlib
 import importlib.metadata
+import os
 import sys
 import types
 import typing
@@ -28,6 +29,7 @@ import argparse_dataclass
 from dmltrain import processes
 from dmltrain.config import SECTIONS, TrainConfig, field_names, load_config_file, to_yaml
 from dmltrain.errors import EXIT_PEER_LOST, UserError, run_reporting_errors
+from dmltrain.files import NotWritten, write_atomic
 from dmltrain.trainer import BaseTrainer
 
 ENTRY_POINT_GROUP = "dmltrain.experiments"
@@ -322,6 +324,39 @@ def _option_names(experiments: dict[str, Experiment], name: str) -> set[str]:
     return set(field_names(TrainConfig)) | (set(field_names(cls)) if cls else set())
 
 
+def _check_status_file(path: str | None) -> None:
+    """At start, not at the end of a run (where a requeue would be lost): the file's folder
+    must exist and be writable."""
+    if not path:
+        return
+    folder = Path(path).parent
+    if not folder.is_dir():
+        raise UserError(f"--status-file {path}: the folder {folder} does not exist; create it")
+    if not os.access(folder, os.W_OK):
+        raise UserError(f"--status-file {path}: the folder {folder} is not writable")
+
+
+def _write_status(path: Path, status: int, trainer: BaseTrainer) -> None:
+    """Rank 0's exit status, and how many checkpoints this job saved (the batch scripts
+    requeue a job that loses nodes only while it makes progress). Another rank writes a
+    lost peer's status only where rank 0 has not (rank 0 may be the one lost): rank 0's
+    status, written as it leaves, is the job's."""
+    saved = getattr(getattr(trainer, "checkpointer", None), "written", 0)
+    text = f"{status}\n{saved}\n"
+    try:
+        if trainer.dist.rank == 0:
+            write_atomic(path, text)
+        else:
+            with open(path, "x") as handle:
+                handle.write(text)
+    except FileExistsError:
+        pass
+    except (OSError, NotWritten) as exc:
+        why = exc if isinstance(exc, NotWritten) else f"cannot write {path}: {exc.strerror}"
+        print(f"dmltrain: error: --status-file: {why}; the exit status is {status}",
+              file=sys.stderr)  # fmt: skip
+
+
 def _print_config_asked(argv: Sequence[str]) -> bool:
     probe = argparse.ArgumentParser(add_help=False)
     probe.add_argument("--print-config", action="store_true")
@@ -357,15 +392,15 @@ def main(argv: Sequence[str] | None = None, experiments: Sequence[Experiment] = 
         if _print_config_asked(argv):
             print(to_yaml(config, options, f"{experiment.name} options"), end="")
             return 0
+        _check_status_file(config.status_file)
         trainer = experiment.trainer_cls(config, options)
     except UserError as exc:
         print(f"dmltrain: error: {exc}", file=sys.stderr)
         return 2
     trainer.name = experiment.name
     status = run_reporting_errors(trainer.fit, trainer.dist.rank, trainer.dist.world_size)
-    # Rank 0's status; a lost peer's from any rank (rank 0 may be the one lost).
     if config.status_file and (trainer.dist.rank == 0 or status == EXIT_PEER_LOST):
-        Path(config.status_file).write_text(f"{status}\n")
+        _write_status(Path(config.status_file), status, trainer)
     if processes.started_by_launcher(trainer.dist):
         processes.leave(status)  # the same exit as --nprocs workers, for the same reason
     return status

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from dmltrain.files import write_atomic
 from dmltrain.launch import DistInfo, RunEnvironment, hostname
 
 
@@ -229,4 +230,4 @@ def summary(info: dict[str, Any], path: Path) -> str:
 
 
 def write(info: dict[str, Any], path: Path) -> None:
-    path.write_text(json.dumps(info, indent=2, default=str) + "\n")
+    write_atomic(path, json.dumps(info, indent=2, default=str) + "\n")

@@ -26,7 +26,7 @@ from torch.utils.data import Dataset, Sampler
 from dmltrain import launch, peers, preflight
 from dmltrain.config import DistConfig
 from dmltrain.data import ResumableSampler, ShardSampler
-from dmltrain.errors import PeerLost, UserError
+from dmltrain.errors import PeerFailed, PeerLost, UserError, first_line
 from dmltrain.launch import DistInfo, RunEnvironment, default_device, hostname
 
 
@@ -124,12 +124,26 @@ class Strategy:
     def teardown(self) -> None:
         pass
 
-    def lost_peer(self, exc: BaseException) -> PeerLost | None:
-        """If ``exc`` means another rank went away: a PeerLost naming the ranks and hosts
-        that stopped answering (``dmltrain.peers``)."""
+    def announce_failure(self, exc: BaseException) -> None:
+        """This rank failed in its own code: say so to the others before it leaves, so that
+        they stop naming it and its error rather than a lost peer (``peers``)."""
+        if self.info.distributed and self.store is not None:
+            line = f"rank {self.info.rank} on {hostname()} failed: {type(exc).__name__}: "
+            peers.announce_failure(self.store, line + first_line(exc))
+
+    def lost_peer(self, exc: BaseException) -> PeerLost | PeerFailed | None:
+        """If ``exc`` means another rank went away: a PeerFailed when it failed in its own
+        code (``announce_failure``), else a PeerLost naming the ranks and hosts that stopped
+        answering (``dmltrain.peers``)."""
         if not (self.info.distributed and peers.means_lost(exc)):
             return None
         here, rank = hostname(), self.info.rank
+        failed = None if self.store is None else peers.failure_announced(self.store)
+        if failed is not None:
+            return PeerFailed(
+                f"{failed}; not a lost node, so nothing is requeued: fix it, then run the "
+                "same command to resume from the newest checkpoint"
+            )
         if self.store is not None:
             missing = peers.roll_call(self.store, rank, self.info.world_size, window=10.0)
         else:  # no store to call the roll through (Horovod): this host's ranks are looked up

@@ -50,6 +50,11 @@ class PeerLost(OneLine):
     """A collective failed because another rank died or stopped answering."""
 
 
+class PeerFailed(OneLine):
+    """Another rank failed in its own code (a bug, not a lost node): this rank stops too,
+    with exit status 1, so the batch scripts do not requeue the job."""
+
+
 class RankFailed(OneLine):
     """A worker process failed; the others were stopped. ``exit_code`` is the worker's."""
 
@@ -62,7 +67,8 @@ def run_reporting_errors(fn: Callable[[], object], rank: int, world_size: int) -
     """Run ``fn``; turn failures into one clear message on stderr and an exit code.
 
     Bad input: exit 2. Requeue wanted: 3. A NaN/Inf with ``--on-nan raise``: 4. A lost
-    peer (another rank or its host went away): 5, with a line naming it.
+    peer (another rank or its host went away): 5, with a line naming it; a peer that
+    failed in its own code: 1, with a line naming it and its error.
     Anything else is a bug: the traceback, then a line naming this rank, exit 1.
     """
     who = f"[rank {rank}] " if world_size > 1 else ""
@@ -85,6 +91,9 @@ def run_reporting_errors(fn: Callable[[], object], rank: int, world_size: int) -
         if rank == 0:  # every rank stops in the same step with the same message
             print(f"dmltrain: stopped: {exc}", file=sys.stderr, flush=True)
         return EXIT_NONFINITE
+    except PeerFailed as exc:
+        print(f"dmltrain: {who}stopping: {exc} (exit status 1)", file=sys.stderr, flush=True)
+        return 1
     except PeerLost as exc:
         resume = "the checkpoints are intact: run the same command to resume"
         print(f"dmltrain: {who}stopping: {exc}; {resume} (exit status {EXIT_PEER_LOST})",

@@ -26,6 +26,7 @@ from dmltrain import data
 from dmltrain.batches import batch_size_of, to_device
 from dmltrain.distributed import Strategy
 from dmltrain.errors import StopForRequeue, UserError
+from dmltrain.files import write_atomic
 from dmltrain.launch import DistInfo
 from dmltrain.metrics import MetricAccumulator
 from dmltrain.precision import Precision
@@ -219,4 +220,4 @@ def merge(directory: Path, world_size: int) -> Path:
 
 
 def write_metrics(path: Path, metrics: Mapping[str, Any]) -> None:
-    path.write_text(json.dumps(dict(metrics), indent=2) + "\n")
+    write_atomic(path, json.dumps(dict(metrics), indent=2) + "\n")

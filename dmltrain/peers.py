@@ -67,6 +67,33 @@ def _roll_call(store: Any, rank: int, world_size: int, window: float) -> list[in
         return None
 
 
+# A rank that fails in its own code says so here before it leaves; the others, whose
+# collectives then fail, read it before calling the roll: one key, not one per rank. (Rank 0
+# holds the store: when rank 0 fails, the store goes with it, and its exit status, in the
+# batch scripts' --status-file, tells the job's outcome.)
+_FAILED = "dmltrain/failed"
+
+
+def announce_failure(store: Any, line: str) -> None:
+    """Leave ``line`` in the store, unless a rank that failed earlier left its own."""
+    try:
+        store.set_timeout(timedelta(seconds=5))
+        store.compare_set(_FAILED, "", line)  # set only where no line is yet
+    except Exception:  # a store out of reach: the others will report a lost peer
+        pass
+
+
+def failure_announced(store: Any) -> str | None:
+    """The line a failed rank left, if any."""
+    try:
+        store.set_timeout(timedelta(seconds=5))
+        if not store.check([_FAILED]):
+            return None
+        return str(store.get(_FAILED).decode())
+    except Exception:
+        return None
+
+
 def local_state(pid: int) -> str:
     """How process ``pid`` of this host is: 'running', 'stopped' (SIGSTOP) or 'gone'."""
     try:

@@ -8,7 +8,10 @@ refused with one line.
 """
 
 import contextlib
+import fcntl
+import itertools
 import json
+import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,13 +20,61 @@ from typing import Any
 from dmltrain import diagnostics
 from dmltrain.checkpoint import list_checkpoints
 from dmltrain.errors import NonFiniteError, PeerLost, StopForRequeue, UserError, first_line
+from dmltrain.files import NotWritten, write_atomic
 
 OUTCOME = "outcome.json"  # how the run's last job ended (write_outcome)
 
 
 def default_path(name: str, job_id: str | None) -> str:
-    """``runs/<experiment>-<job id or the time>``."""
-    return f"runs/{name}-{job_id or time.strftime('%Y%m%d-%H%M%S')}"
+    """``runs/<experiment>-<job id>`` (the same for every job of a requeued run), else
+    ``runs/<experiment>-<the time>``, made here: a run started in the same second as another
+    gets the next free ``-2``, ``-3``..."""
+    if job_id:
+        return f"runs/{name}-{job_id}"
+    base = f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    Path("runs").mkdir(exist_ok=True)
+    for n in itertools.count(1):
+        path = base if n == 1 else f"{base}-{n}"
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path)
+            return path
+    raise AssertionError("unreachable")
+
+
+class Held:
+    """The run directory, held by this run's rank 0 while it runs (``choose``): an
+    advisory lock (flock) on the directory itself, which the system drops when the process
+    ends, however it ends, so a crashed run leaves nothing to clean up."""
+
+    def __init__(self, fd: int | None) -> None:
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+def _hold(path: Path, wait: float) -> tuple[Held, str | None]:
+    """Lock ``path`` within ``wait`` seconds, or say why not. A file system without flock
+    (some parallel ones) is not locked."""
+    fd = os.open(path, os.O_RDONLY)
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return Held(fd), None
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                os.close(fd)
+                return Held(None), (
+                    f"run directory {path} is in use by another run; wait for it to end, "
+                    "or pass another --run-dir"
+                )
+            time.sleep(0.5)
+        except OSError:
+            os.close(fd)
+            return Held(None), None
 
 
 def problem(path: Path) -> str | None:
@@ -46,19 +97,25 @@ def check(path: Path) -> None:
 
 def choose(
     requested: str | None,
-    default: str,
+    default: Callable[[], str],
     resume: str,
     is_main: bool,
     broadcast: Callable[[Any], Any],
     evaluating: bool = False,
-) -> Path:
-    """Rank 0 decides (``requested``, else ``default``) and checks the directory, creating
-    it; every rank gets its decision: the path, or the ``UserError`` saying why not. An
-    evaluation (``evaluating``) may write into any run's directory: it adds its own files."""
+    wait: float = 0.0,
+) -> tuple[Path, Held]:
+    """Rank 0 decides (``requested``, else ``default``), checks the directory, creating
+    it, and holds it (``Held``, waiting up to ``wait`` seconds for a run that is ending);
+    every rank gets its decision: the path, or the ``UserError`` saying why not. An
+    evaluation (``evaluating``) may write into any run's directory: it adds its own files
+    and holds nothing."""
     decision: tuple[str, str | None] = ("", None)
+    held = Held(None)
     if is_main:
-        path = Path(requested or default)
+        path = Path(requested or default())
         error = problem(path)
+        if error is None and not evaluating:
+            held, error = _hold(path, wait)
         # a checkpoint to go on from: the directory's own, or a path given (--resume PATH)
         resumable = resume not in ("auto", "never") or (
             resume == "auto" and list_checkpoints(path / "checkpoints")
@@ -71,13 +128,14 @@ def choose(
         decision = (str(path), error)
     chosen, error = broadcast(decision)
     if error:
+        held.release()
         raise UserError(error)
-    return Path(chosen)
+    return Path(chosen), held
 
 
 def write_records(run_dir: Path, config_yaml: str, info: dict[str, Any]) -> str:
     """``config.yaml`` and ``diagnostics.json`` (rank 0); returns the startup summary."""
-    (run_dir / "config.yaml").write_text(config_yaml)
+    write_atomic(run_dir / "config.yaml", config_yaml)
     path = run_dir / "diagnostics.json"
     diagnostics.write(info, path)
     return diagnostics.summary(info, path)
@@ -92,8 +150,13 @@ def write_outcome(run_dir: Path, exc: BaseException | None, global_step: int) ->
     status = "done" if exc is None else next((k for t, k in kinds if isinstance(exc, t)), "failed")
     record = {"status": status, "message": "" if exc is None else first_line(exc),
               "global_step": global_step, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}  # fmt: skip
-    with contextlib.suppress(OSError):  # a full disk: the exit status still says it
-        (run_dir / OUTCOME).write_text(json.dumps(record) + "\n")
+    with contextlib.suppress(NotWritten):  # a full disk: the exit status still says it
+        write_atomic(run_dir / OUTCOME, json.dumps(record) + "\n")
+
+
+def holds_run(run_dir: Path) -> bool:
+    """Whether an earlier job of a run left its record or checkpoints in ``run_dir``."""
+    return read_outcome(run_dir) is not None or bool(list_checkpoints(run_dir / "checkpoints"))
 
 
 def read_outcome(run_dir: Path) -> dict[str, Any] | None:

@@ -42,7 +42,8 @@ from dmltrain.checkpointer import Checkpointer, Saved
 from dmltrain.config import TrainConfig, as_plain, per_process_batch, to_yaml
 from dmltrain.distributed import Strategy, create_strategy, unwrap
 from dmltrain.ema import EMA
-from dmltrain.errors import StopForRequeue, UserError
+from dmltrain.errors import PeerLost, StopForRequeue, UserError
+from dmltrain.files import NotWritten
 from dmltrain.hooks import TrainerHooks
 from dmltrain.launch import DistInfo
 from dmltrain.monitor import Monitor, StepClock, peak_flops
@@ -162,13 +163,13 @@ class BaseTrainer(TrainerHooks):
     def _record_outcome(self, exc: BaseException | None) -> None:
         """Rank 0: how this job of the run ended, in RUN_DIR/outcome.json (read by
         ``dmltrain sweep status``). An evaluation leaves the run's record alone, and so does
-        a job refused before it trained (a resume with other settings): an earlier job's
-        record stays; a run's first job records its refusal."""
+        a job refused before it trained (a resume with other settings, checkpoints that do
+        not load) in a directory that holds a run; a run's first job records its refusal."""
         evaluating = self.config.checkpoint.evaluating
         if not self.dist.is_main or not hasattr(self, "run_dir") or evaluating:
             return
         refused = isinstance(exc, UserError) and not self.state.training
-        if refused and rundir.read_outcome(self.run_dir) is not None:
+        if refused and rundir.holds_run(self.run_dir):
             return
         rundir.write_outcome(self.run_dir, exc, self.state.global_step)
 
@@ -190,9 +191,10 @@ class BaseTrainer(TrainerHooks):
         except Exception as exc:
             self.tracker.finish()
             lost = self.strategy.lost_peer(exc)
-            if lost is None:
+            if lost is None:  # this rank's own failure (or every rank's at once)
+                self.strategy.announce_failure(exc)
                 raise
-            if self.watchdog is not None:  # where a hung rank is
+            if self.watchdog is not None and isinstance(lost, PeerLost):  # where a rank hangs
                 lost = self.watchdog.explain(lost)
             raise lost from exc
         finally:
@@ -203,6 +205,8 @@ class BaseTrainer(TrainerHooks):
             self.watcher.restore()
             if hasattr(self, "checkpointer"):
                 self.checkpointer.close()  # never exit with a write half done
+            if hasattr(self, "_run_dir_held"):
+                self._run_dir_held.release()
             self.strategy.teardown()
         if stopped is not None:
             raise StopForRequeue(stopped)
@@ -349,7 +353,10 @@ class BaseTrainer(TrainerHooks):
             row["skipped_steps"] = int(self.precision.skipped)
         s.log_rows.append(row)
         if self.dist.is_main:
-            write_training_log(self.run_dir / "training_log.csv", s.log_rows)
+            try:  # the rows are kept (and checkpointed): the next epoch writes them all
+                write_training_log(self.run_dir / "training_log.csv", s.log_rows)
+            except NotWritten as exc:
+                self.warn(f"{exc}; training goes on and writes it again at the next epoch")
         self.progress.epoch_summary(row, partial)
         if not partial:
             self.on_epoch_end(epoch, row)
@@ -451,10 +458,12 @@ class BaseTrainer(TrainerHooks):
             loop.progress, dist.is_main, loop.log_every, world_size=dist.world_size
         )
         evaluating = cfg.checkpoint.evaluating  # --evaluate/--predict: no training
-        default = rundir.default_path(self.name + ("-eval" if evaluating else ""), dist.job_id)
-        self.run_dir = rundir.choose(
-            loop.run_dir, default, cfg.checkpoint.resume, dist.is_main,
-            self.strategy.broadcast_object, evaluating=bool(evaluating),
+        name = self.name + ("-eval" if evaluating else "")
+        # a requeued job may start while the job before it is still ending
+        self.run_dir, self._run_dir_held = rundir.choose(
+            loop.run_dir, lambda: rundir.default_path(name, dist.job_id), cfg.checkpoint.resume,
+            dist.is_main, self.strategy.broadcast_object, evaluating=bool(evaluating),
+            wait=60.0 if dist.job_id else 0.0,
         )  # fmt: skip
         self.config = cfg = cfg.replace(run_dir=str(self.run_dir))
         # Every rank's host and CPUs: each takes its share of its cores (dmltrain.threads).
@@ -584,7 +593,7 @@ class BaseTrainer(TrainerHooks):
                 self.dist.world_size, self.config.numerics.precision,
             )  # fmt: skip
             self.progress.info(rundir.write_records(self.run_dir, text, info))
-            self.steps_log = StepsLog(self.run_dir / "steps.csv", self.state.global_step)
+            self.steps_log = StepsLog(self.run_dir / "steps.csv", self.state.global_step, self.warn)
             self.tracker = create_trackers(
                 self.config.tracking, self.environment.wandb_mode, self.run_dir,
                 self.state.tracking_run_id, self.state.global_step, self.name, plain,

@@ -1,16 +1,20 @@
 """``training_log.csv``: one row per validation (at each epoch's end), rewritten atomically
 after each; ``steps.csv``: the step scalars every ``--log-every`` steps, appended."""
 
+import contextlib
 import csv
 import io
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from dmltrain.files import why_not_written, write_atomic
 
 
 def write_training_log(path: Path, rows: list[dict[str, Any]]) -> None:
     """All ``rows`` (columns in order of first appearance; a missing value is empty),
-    written to a temporary file and renamed over ``path``."""
+    written whole or not at all (``dmltrain.files``)."""
     columns: list[str] = []
     for row in rows:
         columns += [key for key in row if key not in columns]
@@ -18,9 +22,7 @@ def write_training_log(path: Path, rows: list[dict[str, Any]]) -> None:
     writer = csv.DictWriter(buffer, fieldnames=columns, lineterminator="\n")
     writer.writeheader()
     writer.writerows(rows)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(buffer.getvalue())
-    os.replace(tmp, path)
+    write_atomic(path, buffer.getvalue())
 
 
 def read_training_log(path: Path | str) -> list[dict[str, float]]:
@@ -38,8 +40,8 @@ class StepsLog:
     without wandb can be plotted by step. A resumed run first drops the rows after its
     checkpoint's step (a run killed after its last checkpoint logged steps it retrains)."""
 
-    def __init__(self, path: Path, resumed_at: int) -> None:
-        self.path = path
+    def __init__(self, path: Path, resumed_at: int, warn: Callable[[str], None] = print) -> None:
+        self.path, self.warn, self.warned = path, warn, False
         self.columns: list[str] | None = None
         if path.is_file():
             with open(path, newline="") as handle:
@@ -51,13 +53,24 @@ class StepsLog:
                 self._write(kept, "w")
 
     def _write(self, rows: list[dict[str, Any]], mode: str) -> None:
+        """Rows appended whole or not at all: a failed append (a full disk) is cut off
+        again and said once; training goes on."""
         assert self.columns is not None
-        with open(self.path, mode, newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=self.columns, extrasaction="ignore",
-                                    lineterminator="\n")  # fmt: skip
-            if mode == "w":
-                writer.writeheader()
-            writer.writerows(rows)
+        size = self.path.stat().st_size if mode == "a" and self.path.exists() else 0
+        try:
+            with open(self.path, mode, newline="") as handle:
+                writer = csv.DictWriter(handle, fieldnames=self.columns, extrasaction="ignore",
+                                        lineterminator="\n")  # fmt: skip
+                if mode == "w":
+                    writer.writeheader()
+                writer.writerows(rows)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.truncate(self.path, size)
+            if not self.warned:
+                self.warned = True
+                self.warn(f"{why_not_written(self.path, exc)}; its rows are left out until "
+                          "there is room again, training goes on")  # fmt: skip
 
     def write(self, row: dict[str, Any]) -> None:
         """One row; its columns are the first row's (a later new column is left out)."""

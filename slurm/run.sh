@@ -53,18 +53,48 @@ echo "dmltrain: job $job, restart ${SLURM_RESTART_COUNT:-0}, nodes ${SLURM_JOB_N
 # (--dist-timeout). --wait: once a rank has exited, srun waits this long for the others,
 # then ends the step: a node whose link is down never reports its ranks' exit, and the job
 # would stay RUNNING. DMLTRAIN_SRUN_WAIT (seconds) must stay above --dist-timeout + 20.
-srun --wait="${DMLTRAIN_SRUN_WAIT:-330}" dmltrain "$@" --no-requeue
+status_file="${SLURM_SUBMIT_DIR:-$PWD}/.dmltrain-status-$job"
+rm -f "$status_file"
+srun --wait="${DMLTRAIN_SRUN_WAIT:-330}" dmltrain "$@" --no-requeue --status-file "$status_file"
 status=$?
+# >>> dmltrain block: status-file.sh (edit slurm/blocks/status-file.sh, then run sync.py)
+# The launcher's status is not the job's: torchrun reports any worker's failure as 1, and
+# srun the highest status of any task (a rank that lost a failed rank 0 says 5). Rank 0
+# wrote the real one, and how many checkpoints this job saved.
+# shellcheck disable=SC2034  # saved: read by slurm-requeue.sh, where it follows
+saved=""
+# shellcheck disable=SC2034
+if [ -s "$status_file" ]; then
+    status=$(sed -n 1p "$status_file")
+    saved=$(sed -n 2p "$status_file")
+    rm -f "$status_file"
+fi
+# <<< dmltrain block: status-file.sh
 
 # >>> dmltrain block: slurm-requeue.sh (edit slurm/blocks/slurm-requeue.sh, then run sync.py)
 # Exit status 3: a checkpoint was saved and there is more to do (a preemption, the time
 # limit coming, or --epochs-per-job); 5: a rank or node was lost, the checkpoints are
 # intact. Both requeue the job, which resumes the newest checkpoint. In a chain of jobs
 # (slurm/chain.sh sets DMLTRAIN_REQUEUE=0) the next job of the chain goes on instead.
+# Losses with no checkpoint saved in between (a node that fails again and again) requeue
+# DMLTRAIN_MAX_LOST_REQUEUES times (3) in a row, then the job ends with status 5.
 why="checkpoint saved"
+lost_file="${SLURM_SUBMIT_DIR:-$PWD}/.dmltrain-lost-$job"
 if [ "$status" -eq 5 ]; then
     why="a rank or node was lost, the checkpoints are intact"
+    lost=1
+    if [ "${saved:-0}" = 0 ] && [ -s "$lost_file" ]; then
+        lost=$(( $(cat "$lost_file") + 1 ))
+    fi
+    if [ "$lost" -gt "${DMLTRAIN_MAX_LOST_REQUEUES:-3}" ]; then
+        rm -f "$lost_file"
+        echo "dmltrain: a rank or node was lost $lost times in a row with no checkpoint saved in between; not requeueing: check the nodes and this job's output, then resubmit (exit status 5)"
+        exit 5
+    fi
+    echo "$lost" > "$lost_file"
     status=3
+else
+    rm -f "$lost_file"
 fi
 if [ "$status" -eq 3 ] && [ "${DMLTRAIN_REQUEUE:-1}" = 0 ]; then
     echo "dmltrain: $why; the next job of the chain goes on"

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers import (
     ROOT,
     TINY_RUN,
@@ -56,7 +57,7 @@ def test_batch_scripts_hold_the_shared_blocks_and_drift_is_caught(tmp_path):
     assert (
         uses["slurm-job.sh"] == uses["slurm-requeue.sh"] == {"run.sh", "torchrun.sh", "horovod.sh"}
     )  # every Slurm script honours DMLTRAIN_REQUEUE=0 (slurm/chain.sh)
-    assert uses["status-file.sh"] == {"torchrun.sh", "casper.sh"}
+    assert uses["status-file.sh"] == {"run.sh", "torchrun.sh", "horovod.sh", "casper.sh"}
     assert uses["pbs-args.sh"] == uses["pbs-resubmit.sh"] == {"casper.sh", "derecho.sh"}
     # A copy of the tree where one script's copy of a block was edited by hand.
     copy = tmp_path / "slurm"
@@ -231,3 +232,45 @@ def test_time_limit_stops_the_job_in_time_and_it_resumes(slurm, tiny_reference, 
     assert "preempted (time limit)" in log and "checkpoint saved, requeueing job" in log
     assert int(job_field(job, "Restarts")) >= 1
     assert_same_run(tiny_reference, tmp_path / "runs" / f"tiny-{job}")
+
+
+def ended(job: str, within: float) -> str:
+    """The job's final state; a requeued job is released at once (as an admin would)."""
+    final = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
+    wait_for(lambda: job_field(job, "JobState") in final or _release(job), within, f"job {job}")
+    return job_field(job, "JobState")
+
+
+def _release(job: str) -> bool:
+    if job_field(job, "JobState") == "PENDING" and job_field(job, "Reason") == "BeginTime":
+        subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"])
+    return False
+
+
+@pytest.mark.parametrize("rank", ["1", "0"])
+def test_a_rank_that_fails_in_its_own_code_fails_the_job_without_a_requeue(slurm, tmp_path,
+                                                                          rank):  # fmt: skip
+    """A bug on one rank (it raises in train_step): the job fails (exit 1) and is not
+    requeued, whichever rank it was: rank 0's status in --status-file is the job's, also
+    when the other rank, which lost rank 0, says 5."""
+    job = sbatch(tmp_path, *TINY, "--raise-rank", rank, "--raise-at-step", "5")
+    assert ended(job, 120) == "FAILED"
+    log = (tmp_path / "job.out").read_text()
+    assert job_field(job, "Restarts") == "0" and job_field(job, "ExitCode") == "1:0", log[-3000:]
+    assert "requeueing" not in log
+    assert f"[rank {rank}] failed: RuntimeError: a bug in train_step at step 5" in log
+    if rank == "1":
+        assert "[rank 0] stopping: rank 1 on " in log and "not a lost node" in log, log[-3000:]
+
+
+def test_a_job_that_keeps_losing_a_rank_before_a_checkpoint_stops_requeueing(slurm, tmp_path):
+    """Rank 1 is killed (SIGKILL) at step 2 of every job, before any checkpoint: the loss is
+    requeued DMLTRAIN_MAX_LOST_REQUEUES times (1 here), then the job ends with status 5."""
+    job = sbatch(tmp_path, *TINY, "--die-rank", "1", "--die-at-step", "2",
+                 env={"DMLTRAIN_MAX_LOST_REQUEUES": "1"})  # fmt: skip
+    assert ended(job, 240) == "FAILED"
+    log = (tmp_path / "job.out").read_text()
+    assert job_field(job, "Restarts") == "1" and job_field(job, "ExitCode") == "5:0", log[-3000:]
+    assert log.count("a rank or node was lost, the checkpoints are intact, requeueing") == 1
+    assert "lost 2 times in a row with no checkpoint saved in between; not requeueing" in log
+    assert not list(tmp_path.glob(".dmltrain-*"))  # the script's own files are gone

@@ -26,6 +26,9 @@ class TinyOptions:
     save_weights: bool = field(default=False, metadata={"help": "save final_weights.pt"})
     die_rank: int = field(default=-1, metadata={"help": "this rank kills itself (SIGKILL)"})
     die_at_step: int = field(default=0, metadata={"help": "... at this global step"})
+    raise_rank: int = field(default=-1, metadata={"help": "a bug: this rank raises an error"})
+    raise_at_step: int = field(default=-1, metadata={"help": "... in train_step at this global "
+                               "step (-1: never; -2: in create_model)"})  # fmt: skip
     signal_rank: int = field(default=-1, metadata={"help": "this rank sends itself SIGUSR1"})
     signal_at_step: int = field(default=0, metadata={"help": "... at this global step"})
     step_sleep: float = field(default=0.0, metadata={"help": "seconds to sleep each step"})
@@ -52,6 +55,7 @@ class TinyOptions:
         default=0, metadata={"help": "rank 0 fills the run directory's disk at this step"}
     )
     free_disk_at_step: int = field(default=0, metadata={"help": "... and frees it at this step"})
+    fill_disk_leave: int = field(default=64, metadata={"help": "... leaving this many KiB"})
     dropout: float = field(default=0.0, metadata={"help": "dropout before the last layer"})
     augment: bool = field(
         default=False,
@@ -148,6 +152,8 @@ class TinyTrainer(BaseTrainer):
                 log.write(f"{socket.gethostname()} {self.dist.rank}\n")
 
     def create_model(self) -> nn.Module:
+        if self.dist.rank == self.opts.raise_rank and self.opts.raise_at_step == -2:
+            raise RuntimeError("a bug in create_model")
         if self.opts.exit_note:  # an experiment's own clean-up, as a user would register it
             note = f"{self.opts.exit_note}.{self.dist.rank}"
             atexit.register(lambda: open(note, "w").close())
@@ -199,6 +205,8 @@ class TinyTrainer(BaseTrainer):
         o = self.opts
         if self.dist.rank == self.opts.die_rank and self.global_step == self.opts.die_at_step:
             os.kill(os.getpid(), signal.SIGKILL)
+        if self.dist.rank == o.raise_rank and self.global_step == o.raise_at_step:
+            raise RuntimeError(f"a bug in train_step at step {self.global_step}")
         if self.dist.rank == self.opts.signal_rank and self.global_step == self.opts.signal_at_step:
             os.kill(os.getpid(), signal.SIGUSR1)
         if self.dist.is_main and self.global_step in {o.fill_disk_at_step, o.free_disk_at_step} - {
@@ -207,10 +215,10 @@ class TinyTrainer(BaseTrainer):
             filler = self.run_dir / "filler"
             if self.global_step == o.free_disk_at_step:
                 filler.unlink()
-            else:  # leave 64 KiB: a checkpoint no longer fits, the training log does
+            else:  # 64 KiB by default: a checkpoint no longer fits, the training log does
                 with open(filler, "wb") as handle:
                     free = shutil.disk_usage(self.run_dir).free
-                    os.posix_fallocate(handle.fileno(), 0, free - (64 << 10))
+                    os.posix_fallocate(handle.fileno(), 0, free - (o.fill_disk_leave << 10))
         requeued = os.environ.get("SLURM_RESTART_COUNT", "0") != "0"
         if self.opts.step_sleep and not (self.opts.first_job_only and requeued):
             time.sleep(self.opts.step_sleep)  # a slow step, so a test can signal mid-run

@@ -2,10 +2,25 @@
 # limit coming, or --epochs-per-job); 5: a rank or node was lost, the checkpoints are
 # intact. Both requeue the job, which resumes the newest checkpoint. In a chain of jobs
 # (slurm/chain.sh sets DMLTRAIN_REQUEUE=0) the next job of the chain goes on instead.
+# Losses with no checkpoint saved in between (a node that fails again and again) requeue
+# DMLTRAIN_MAX_LOST_REQUEUES times (3) in a row, then the job ends with status 5.
 why="checkpoint saved"
+lost_file="${SLURM_SUBMIT_DIR:-$PWD}/.dmltrain-lost-$job"
 if [ "$status" -eq 5 ]; then
     why="a rank or node was lost, the checkpoints are intact"
+    lost=1
+    if [ "${saved:-0}" = 0 ] && [ -s "$lost_file" ]; then
+        lost=$(( $(cat "$lost_file") + 1 ))
+    fi
+    if [ "$lost" -gt "${DMLTRAIN_MAX_LOST_REQUEUES:-3}" ]; then
+        rm -f "$lost_file"
+        echo "dmltrain: a rank or node was lost $lost times in a row with no checkpoint saved in between; not requeueing: check the nodes and this job's output, then resubmit (exit status 5)"
+        exit 5
+    fi
+    echo "$lost" > "$lost_file"
     status=3
+else
+    rm -f "$lost_file"
 fi
 if [ "$status" -eq 3 ] && [ "${DMLTRAIN_REQUEUE:-1}" = 0 ]; then
     echo "dmltrain: $why; the next job of the chain goes on"

@@ -65,9 +65,15 @@ torchrun --standalone --nproc-per-node="$nproc" -m dmltrain "$experiment" \
     --run-dir "$run_dir" "$@" --status-file "$status_file"
 status=$?
 # >>> dmltrain block: status-file.sh (edit slurm/blocks/status-file.sh, then run sync.py)
-# torchrun reports any worker's failure as exit status 1: rank 0 wrote the real status.
+# The launcher's status is not the job's: torchrun reports any worker's failure as 1, and
+# srun the highest status of any task (a rank that lost a failed rank 0 says 5). Rank 0
+# wrote the real one, and how many checkpoints this job saved.
+# shellcheck disable=SC2034  # saved: read by slurm-requeue.sh, where it follows
+saved=""
+# shellcheck disable=SC2034
 if [ -s "$status_file" ]; then
-    status=$(cat "$status_file")
+    status=$(sed -n 1p "$status_file")
+    saved=$(sed -n 2p "$status_file")
     rm -f "$status_file"
 fi
 # <<< dmltrain block: status-file.sh

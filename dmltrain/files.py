@@ -1,0 +1,49 @@
+"""The records dmltrain writes beside its checkpoints (training log, config, outcome, status):
+each written whole or not at all, and a failure to write said in one line.
+
+A record goes to a temporary file in the same folder that is then renamed over the old one,
+so a full disk or a crash leaves the previous version, never a truncated one.
+"""
+
+import contextlib
+import errno
+import os
+import shutil
+from pathlib import Path
+
+from dmltrain.errors import UserError
+
+_MB = 1 << 20
+
+
+class NotWritten(UserError):
+    """A record could not be written (a full disk, a quota, a read-only folder); the file
+    there before, if any, is unchanged."""
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """``path`` holds ``text`` afterwards, or what it held before (``NotWritten``)."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise NotWritten(why_not_written(path, exc)) from None
+
+
+def why_not_written(path: Path, exc: OSError) -> str:
+    """One line: no space (how much is free, measured once the partial file is gone), or
+    the system's reason."""
+    if getattr(exc, "errno", None) in (errno.ENOSPC, errno.EDQUOT):
+        return f"cannot write {path}: {free_space(path.parent)}"
+    return f"cannot write {path}: {exc.strerror or exc}"
+
+
+def free_space(folder: Path) -> str:
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return "no space left on its file system"
+    return f"no space left on its file system ({free / _MB:.1f} MB free)"
