@@ -39,10 +39,12 @@ class Budget:
 
     def __init__(
         self, loop: LoopConfig, state: TrainState, best_metric: str, mode: str,
-        epochs_per_job: int = 0,
+        epochs_per_job: int = 0, warn: Callable[[str], None] = print,
     ) -> None:  # fmt: skip
         self.loop, self.state, self.epochs_per_job = loop, state, epochs_per_job
         self.best_metric, self.mode = best_metric, mode
+        self.warn = warn
+        self.metric_seen = False  # --best-metric found in a row (else one warning, once)
         self.max_seconds = time_limit_seconds(loop.max_time) if loop.max_time else None
 
     def start(self) -> None:
@@ -96,6 +98,8 @@ class Budget:
         value is updated); whether the run stops early (``stopped_early`` says why)."""
         patience, s = self.loop.early_stop_patience, self.state
         value = row.get(self.best_metric)
+        if not self.metric_seen:
+            self._check_metric(row, patience)
         if not patience or value is None or value != value:
             return False
         delta, best = self.loop.early_stop_min_delta, s.best_value
@@ -104,6 +108,20 @@ class Budget:
         )
         s.bad_validations = 0 if better else s.bad_validations + 1
         return s.bad_validations >= patience
+
+    def _check_metric(self, row: dict[str, Any], patience: int) -> None:
+        """A --best-metric that is not a column (a typo) would keep no best.pt and never
+        stop early: said once, at the first validated row."""
+        if self.best_metric in row:
+            self.metric_seen = True
+        elif patience or any(key.startswith("val_") for key in row):
+            self.metric_seen = True
+            columns = ", ".join(k for k in row if k not in ("epoch", "step", "epoch_time_s"))
+            self.warn(
+                f"--best-metric {self.best_metric} is not in the training log (it has "
+                f"{columns}): no best.pt is kept and early stopping cannot fire; give one of "
+                "those (the run resumes with the new flag)"
+            )
 
     def stopped_early(self) -> str | None:
         """Why early stopping ends the run (now, or in an earlier job of it), or None."""

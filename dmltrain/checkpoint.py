@@ -20,6 +20,7 @@ turns one into a single ``.pt`` file of the same format as above.
 
 import errno
 import os
+import re
 import shutil
 import threading
 from collections.abc import Callable
@@ -129,6 +130,11 @@ def load_file(path: Path) -> dict[str, Any]:
     """
     if not path.exists():
         raise UserError(f"checkpoint {path} does not exist")
+    if is_sharded(path) and not (path / ".metadata").exists() and not path.name.endswith(SHARDED):
+        raise UserError(
+            f"{path} is a directory, not a checkpoint: pass one of its checkpoint files "
+            "(RUN_DIR/checkpoints/latest.pt), or --run-dir RUN_DIR to go on with a run"
+        )
     if is_sharded(path):
         sharded_shapes(path)  # raises if shards are missing or truncated
         state = _load(path / SHARDED_META, path)
@@ -149,9 +155,10 @@ def _load(file: Path, checkpoint: Path) -> dict[str, Any]:
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:
-        raise UserError(
-            f"checkpoint {checkpoint} is truncated or corrupt ({first_line(exc)})"
-        ) from None
+        if "Weights only load failed" in str(exc):  # a pickle with more than tensors
+            raise UserError(f"{checkpoint} is not a checkpoint that dmltrain wrote") from None
+        why = re.sub(r"\x1b\[[0-9;]*m", "", first_line(exc))  # no terminal colours
+        raise UserError(f"checkpoint {checkpoint} is truncated or corrupt ({why})") from None
     if not isinstance(state, dict):
         raise UserError(f"{checkpoint} is not a dmltrain checkpoint")
     return state

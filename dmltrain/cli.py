@@ -17,6 +17,7 @@ import importlib
 import importlib.metadata
 import os
 import sys
+import traceback
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -201,7 +202,20 @@ def experiment_file(path: Path) -> Experiment:
         raise UserError(f"{path}: no such file (dmltrain FILE.py runs the experiment FILE.py "
                         "registers)")  # fmt: skip
     sys.path.insert(0, str(path.resolve().parent))
-    module = importlib.import_module(path.stem)
+    try:
+        module = importlib.import_module(path.stem)
+    except SyntaxError as exc:
+        raise UserError(f"{path}, line {exc.lineno}: {exc.msg}") from None
+    except Exception as exc:
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == str(
+            path.resolve())]  # fmt: skip
+        where = f", line {frames[-1].lineno}" if frames else ""
+        raise UserError(f"importing {path} failed{where}: {type(exc).__name__}: {exc}") from None
+    if Path(getattr(module, "__file__", "") or "").resolve() != path.resolve():
+        raise UserError(
+            f"{path} has the name of a module Python already has ({path.stem}), which is "
+            "imported instead: rename the file"
+        )
     found = [value for value in vars(module).values() if isinstance(value, Experiment)]
     if len(found) != 1:
         raise UserError(

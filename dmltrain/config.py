@@ -13,6 +13,8 @@ Config files (YAML or JSON) hold a flat mapping of field names (``batch_size`` o
 import argparse
 import dataclasses
 import json
+import math
+import re
 import signal
 import types
 import typing
@@ -153,15 +155,24 @@ class LoopConfig:
             f"--global-batch-size must be at least 1 (got {self.global_batch_size})",
         )
         check(self.grad_clip >= 0, f"--grad-clip must be >= 0 (got {self.grad_clip})")
-        check(self.lr > 0, f"--lr must be positive (got {self.lr})")
-        check(self.weight_decay >= 0, f"--weight-decay must be >= 0 (got {self.weight_decay})")
+        check(0 < self.lr < math.inf, f"--lr must be a positive number (got {self.lr})")
+        check(
+            0 <= self.weight_decay < math.inf,
+            f"--weight-decay must be a number >= 0 (got {self.weight_decay})",
+        )
         check(self.log_every >= 1, f"--log-every must be at least 1 (got {self.log_every})")
         check(self.run_dir != "", "--run-dir must not be empty")
 
 
+_DURATION = re.compile(r"(\d+-)?\d+(:\d+){0,2}")
+
+
 def time_limit_seconds(text: str) -> int:
-    """Slurm's time formats (``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH[:MM[:SS]]``) in seconds."""
-    days, _, rest = text.rpartition("-")
+    """Slurm's time formats (``MM``, ``MM:SS``, ``HH:MM:SS``, ``D-HH[:MM[:SS]]``) in seconds;
+    ValueError for anything else (a negative number among them)."""
+    if not _DURATION.fullmatch(text.strip()):
+        raise ValueError(f"not a duration: {text!r}")
+    days, _, rest = text.strip().rpartition("-")
     parts = [int(p) for p in rest.split(":")]
     if days:
         h, m, s = [*parts, 0, 0][:3]  # D-HH, D-HH:MM, D-HH:MM:SS
@@ -185,6 +196,13 @@ def per_process_batch(loop: LoopConfig, world_size: int) -> int:
         total % share == 0,
         f"--global-batch-size {total} does not divide into {world_size} process(es) x "
         f"--grad-accum {loop.grad_accum}: choose a multiple of {share}",
+    )
+    default = LoopConfig.__dataclass_fields__["batch_size"].default
+    check(
+        loop.batch_size in (default, total // share),
+        f"--batch-size {loop.batch_size} and --global-batch-size {total} disagree on "
+        f"{world_size} process(es) x --grad-accum {loop.grad_accum} (that is --batch-size "
+        f"{total // share}): give one of them",
     )
     return total // share
 
@@ -270,8 +288,14 @@ class DistConfig:
     def __post_init__(self) -> None:
         check(self.nprocs >= 1, f"--nprocs must be at least 1 (got {self.nprocs})")
         check(self.threads >= 0, f"--threads must be >= 0 (got {self.threads})")
-        check(self.dist_timeout > 0, f"--dist-timeout must be positive (got {self.dist_timeout})")
-        check(self.hang_timeout >= 0, f"--hang-timeout must be >= 0 (got {self.hang_timeout})")
+        check(
+            0 < self.dist_timeout <= 86400,
+            f"--dist-timeout must be positive seconds, at most a day (got {self.dist_timeout})",
+        )
+        check(
+            0 <= self.hang_timeout < math.inf,
+            f"--hang-timeout must be a number >= 0 (got {self.hang_timeout})",
+        )
 
 
 @dataclass(frozen=True)
@@ -374,6 +398,11 @@ class CheckpointConfig:
             not (self.load_weights and (self.evaluate or self.predict)),
             "--evaluate and --predict load the checkpoint they name: drop --load-weights",
         )
+        check(
+            not (self.load_weights and self.resume not in ("auto", "never")),
+            "--resume PATH goes on with that run, --load-weights starts a new one from its "
+            "weights: give one of them",
+        )
 
     @property
     def evaluating(self) -> str | None:
@@ -416,11 +445,18 @@ class PreemptionConfig:
 
     def __post_init__(self) -> None:
         check(self.epochs_per_job >= 0, "--epochs-per-job must be >= 0")
-        check(self.preempt_check_seconds >= 0, "--preempt-check-seconds must be >= 0")
+        check(
+            0 <= self.preempt_check_seconds < math.inf,
+            "--preempt-check-seconds must be a number >= 0",
+        )
         for name in self.signal_names():
             check(
                 name in signal.Signals.__members__,
                 f"--preempt-signals: {name} is not a signal name (e.g. SIGUSR1)",
+            )
+            check(
+                name not in ("SIGKILL", "SIGSTOP"),
+                f"--preempt-signals: {name} cannot be caught; use SIGTERM, SIGUSR1 or SIGINT",
             )
 
     def signal_names(self) -> list[str]:
@@ -568,6 +604,12 @@ class ProfilingConfig:
         if self.window() is None and not self.memory_snapshot:
             return []
         ranks = self.ranks()
+        beyond = sorted(r for r in ranks or () if r >= world_size)
+        check(
+            not beyond,
+            f"--profile-ranks {self.profile_ranks}: this run has {world_size} process(es), "
+            f"ranks 0 to {world_size - 1}; rank {beyond[0] if beyond else 0} would profile nothing",
+        )
         return [r for r in range(world_size) if ranks is None or r in ranks]
 
 
@@ -647,6 +689,9 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+_YAML_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
+
+
 def coerce(value: Any, annotation: Any, key: str, source: str) -> Any:
     """Convert a value read from a config file to a field's type, or explain why not."""
     origin = typing.get_origin(annotation)
@@ -666,6 +711,8 @@ def coerce(value: Any, annotation: Any, key: str, source: str) -> Any:
         if value not in choices:
             raise ConfigError(f"{source}: '{key}' must be one of {list(choices)} (got {value!r})")
         return value
+    if annotation is float and isinstance(value, str) and _YAML_FLOAT.fullmatch(value.strip()):
+        return float(value)  # YAML 1.1 reads 1e-3 (no dot) as text
     ok = {
         bool: isinstance(value, bool),
         int: isinstance(value, int) and not isinstance(value, bool),

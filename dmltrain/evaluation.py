@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from dmltrain import data
+from dmltrain import contract, data
 from dmltrain.batches import batch_size_of, to_device
 from dmltrain.distributed import Strategy
 from dmltrain.errors import StopForRequeue, UserError
@@ -64,9 +64,10 @@ class Evaluator:
         """The sample-weighted means of ``step``'s metrics over every rank's shard, and the
         number of samples they count (one collective each)."""
         metrics = MetricAccumulator(self.device)
+        method = getattr(step, "__name__", "val_step")
         for values, n in self.batches(loader, step):
             if n:
-                metrics.update(values, n)
+                metrics.update(contract.step_metrics(values, method), n)
         count = torch.tensor([float(metrics.count)], device=self.device)
         total = int(self.strategy.all_reduce_sum(count).item())
         return metrics.compute(self.strategy.all_reduce_sum), total

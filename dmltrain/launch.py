@@ -400,7 +400,7 @@ def detect(launcher: str = "auto", nprocs: int = 1, env: Env | None = None) -> D
             launcher="spawn",
             world_size=nprocs,
             local_world_size=nprocs,
-            master_port=free_port(),
+            master_port=int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else free_port(),
         )
     return single_process(env)
 

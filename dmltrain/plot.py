@@ -25,7 +25,10 @@ def plot_run(run_dir: Path, output: Path | None = None) -> Path:
     log = run_dir / "training_log.csv"
     if not log.is_file():
         raise UserError(f"{log} does not exist: pass a run directory (--run-dir of a run)")
-    rows = read_training_log(log)
+    try:
+        rows = read_training_log(log)
+    except ValueError as exc:
+        raise UserError(f"{log} holds a value that is not a number ({exc})") from None
     if not rows:
         raise UserError(f"{log} has no epochs yet: nothing to plot")
     import matplotlib
@@ -122,8 +125,12 @@ def _save(figure: Any, title: str, output: Path) -> Path:
 
     figure.suptitle(title)
     figure.tight_layout()
-    figure.savefig(output, dpi=DPI)
-    plt.close(figure)
+    try:
+        figure.savefig(output, dpi=DPI)
+    except OSError as exc:
+        raise UserError(f"cannot write {output}: {exc.strerror or exc}") from None
+    finally:
+        plt.close(figure)
     return output
 
 
@@ -136,9 +143,14 @@ def _finish(axis: Any, title: str, legend: bool = True) -> None:
 
 
 def _rows(path: Path) -> list[dict[str, float]]:
-    """A CSV's numeric columns (``host`` and other text left out)."""
+    """A CSV's numeric columns (``host`` and other text left out); a row cut short (a run
+    that stopped while writing it) is left out."""
     if not path.is_file():
         return []
     with open(path, newline="") as handle:
-        rows = list(csv.DictReader(handle))
-    return [{k: float(v) for k, v in row.items() if v and k != "host"} for row in rows]
+        reader = csv.DictReader(handle)
+        rows = [row for row in reader if None not in row.values()]
+    try:
+        return [{k: float(v) for k, v in row.items() if v and k != "host"} for row in rows]
+    except ValueError as exc:
+        raise UserError(f"{path} holds a value that is not a number ({exc})") from None

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from dmltrain.errors import (
+    EXIT_PEER_LOST,
     EXIT_REQUEUE,
     RankFailed,
     StopForRequeue,
@@ -76,9 +77,16 @@ def spawn(
             raise StopForRequeue(
                 f"checkpoint saved; run the same again to resume (exit status {EXIT_REQUEUE})"
             ) from None
-        how = f"killed by {exc.signal_name}" if exc.signal_name else f"exit code {exc.exit_code}"
+        if exc.signal_name:  # killed from outside (the OOM killer, kill -9): a lost peer
+            raise RankFailed(
+                f"rank {exc.error_index} was killed by {exc.signal_name}; the other ranks were "
+                "stopped, the checkpoints are intact: run the same command to resume (exit "
+                f"status {EXIT_PEER_LOST})",
+                EXIT_PEER_LOST,
+            ) from None
         raise RankFailed(
-            f"rank {exc.error_index} failed first ({how}); the other ranks were stopped",
+            f"rank {exc.error_index} failed first (exit code {exc.exit_code}); the other "
+            "ranks were stopped",
             exc.exit_code if exc.exit_code and exc.exit_code > 0 else 1,
         ) from None
     except mp.ProcessRaisedException as exc:

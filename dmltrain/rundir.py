@@ -120,7 +120,14 @@ def choose(
         resumable = resume not in ("auto", "never") or (
             resume == "auto" and list_checkpoints(path / "checkpoints")
         )
-        if error is None and (path / "training_log.csv").exists() and not (resumable or evaluating):
+        if error is None and evaluating:
+            pass
+        elif error is None and resume == "never" and list_checkpoints(path / "checkpoints"):
+            error = (
+                f"run directory {path} already holds a run with checkpoints: --resume never "
+                "starts a new run only in a new --run-dir (--resume auto goes on with this one)"
+            )
+        elif error is None and (path / "training_log.csv").exists() and not resumable:
             error = (
                 f"run directory {path} already holds a run (training_log.csv) with no "
                 "checkpoint to resume; pass a new --run-dir to start another"

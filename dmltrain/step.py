@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from dmltrain import contract
 from dmltrain.batches import batch_size_of, split_step_output, to_device
 from dmltrain.distributed import Strategy
 from dmltrain.nan import NanChecker, NanEvent
@@ -85,7 +86,13 @@ class OptimizerStep:
         """``train_step`` under the precision's autocast, then its (scaled) backward."""
         precision = self.precision
         loss, step_metrics = split_step_output(precision.forward(self.train_step, batch))
-        precision.backward(loss / micro_batches if micro_batches > 1 else loss)
+        try:
+            precision.backward(loss / micro_batches if micro_batches > 1 else loss)
+        except (AttributeError, RuntimeError, TypeError) as exc:
+            bad = contract.loss(loss, exc)
+            if bad is None:
+                raise
+            raise bad from None
         return loss, step_metrics
 
     def _micro_batch_context(self, last: bool) -> contextlib.ExitStack:

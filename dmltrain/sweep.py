@@ -136,6 +136,17 @@ def check_trials(
             raise UserError(f"trial {i} ({shown}) is refused: {why}") from None
 
 
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"{path} cannot be read ({first_line(exc)}): restore it, or start "
+                        "the sweep again under another --name") from None  # fmt: skip
+    if not isinstance(found, dict):
+        raise UserError(f"{path} is not a sweep's record: restore it, or use another --name")
+    return found
+
+
 class Sweep:
     """A sweep's directory: what was asked, its trials and where each stands."""
 
@@ -147,7 +158,7 @@ class Sweep:
         """Write the sweep, or check that the one there is the same (a resubmission)."""
         asked = {"experiment": experiment, "fixed": fixed, "trials": trials}
         if self.file.exists():
-            there = json.loads(self.file.read_text())
+            there = _read_json(self.file)
             if {k: there.get(k) for k in asked} != asked:
                 raise UserError(
                     f"{self.directory} holds another sweep (other experiment, flags or trials); "
@@ -168,7 +179,7 @@ class Sweep:
     def load(self) -> dict[str, Any]:
         if not self.file.is_file():
             raise UserError(f"{self.directory} is not a sweep (no sweep.json)")
-        return dict(json.loads(self.file.read_text()))
+        return _read_json(self.file)
 
     def trial_dir(self, i: int) -> Path:
         return self.directory / f"trial-{i}"

@@ -23,6 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from dmltrain import (
+    contract,
     data,
     diagnostics,
     evaluation,
@@ -122,6 +123,7 @@ class BaseTrainer(TrainerHooks):
         self.strategy = create_strategy(self.dist, self.config.distributed)
         check_available(self.config.numerics.precision, self.device)
         profiling.check_available(self.config.profiling, self.device)
+        self.config.profiling.profiled(dist.world_size)  # a rank beyond the job's is refused
         self.state = TrainState(self.device)
         self.tracker = Tracker()  # rank 0's real one is made in setup
         self.watchdog = None  # made in setup when training
@@ -193,6 +195,9 @@ class BaseTrainer(TrainerHooks):
             lost = self.strategy.lost_peer(exc)
             if lost is None:  # this rank's own failure (or every rank's at once)
                 self.strategy.announce_failure(exc)
+                bad_data = contract.data(exc)
+                if bad_data is not None:
+                    raise bad_data from None
                 raise
             if self.watchdog is not None and isinstance(lost, PeerLost):  # where a rank hangs
                 lost = self.watchdog.explain(lost)
@@ -483,7 +488,9 @@ class BaseTrainer(TrainerHooks):
             )
         self.evaluator = evaluation.Evaluator(self.strategy, self.precision, self.device)
         torch.manual_seed(loop.seed)  # the same initial weights on every rank
-        model = self.create_model().to(self.device)
+        model = self.create_model()
+        contract.model(model)
+        model = model.to(self.device)
         rng.seed_everything(loop.seed + dist.rank)  # per-rank dropout, augmentation
         self.model = self.strategy.wrap_model(model, self.fsdp_units(model), self.precision.dtype)
         self.ema = None
@@ -527,7 +534,7 @@ class BaseTrainer(TrainerHooks):
         if evaluating:
             return
         self.budget = Budget(loop, self.state, self.best_metric, cfg.checkpoint.best_mode,
-                             cfg.preemption.epochs_per_job)  # fmt: skip
+                             cfg.preemption.epochs_per_job, self.warn)  # fmt: skip
         if checks.check_nans and checks.on_nan == "rollback" and self.state.global_step == 0:
             self.checkpointer.save(best=False)  # something to roll back to from step 1
         per_step = self.scheduler if self.scheduler_interval == "step" else None
@@ -546,12 +553,17 @@ class BaseTrainer(TrainerHooks):
         if self.dist.is_local_main:
             self.prepare_data()
         self.strategy.barrier()
-        train_set, val_set = self.create_datasets()
-        if len(train_set) == 0:  # type: ignore[arg-type]
+        train_set, val_set = contract.datasets(self.create_datasets())
+        if len(train_set) == 0:
             raise UserError("the training dataset is empty: check --data-dir")
         seed = self.config.loop.seed
         self.train_loader = self.create_dataloader(data.keyed(train_set, seed), train=True)
         self.val_loader = None
+        if val_set is not None and len(val_set) == 0:
+            raise UserError(
+                "the validation dataset is empty: check --data-dir, or return None for it "
+                "from create_datasets to train without validation"
+            )
         if val_set is not None:
             self.val_loader = self.create_dataloader(data.keyed(val_set, seed), train=False)
 

@@ -182,3 +182,136 @@ def cli_host() -> str:
     from dmltrain.launch import hostname
 
     return hostname()
+
+
+# Flags that were taken silently or raised from deep inside; each now stops before anything
+# starts (in this process: nothing is trained).
+BAD_FLAGS = [
+    (["--max-time", "-1"], "--max-time '-1': give a duration like"),
+    (["--lr", "inf"], "--lr must be a positive number (got inf)"),
+    (["--weight-decay", "inf"], "--weight-decay must be a number >= 0 (got inf)"),
+    (["--batch-size", "32", "--global-batch-size", "64"],
+     "--batch-size 32 and --global-batch-size 64 disagree on 1 process(es)"),
+    (["--load-weights", "a.pt", "--resume", "a.pt"], "give one of them"),
+    (["--profile-steps", "1:2", "--profile-ranks", "7"],
+     "--profile-ranks 7: this run has 1 process(es), ranks 0 to 0"),
+    (["--preempt-check-seconds", "inf"], "--preempt-check-seconds must be a number >= 0"),
+    (["--dist-timeout", "inf"], "--dist-timeout must be positive seconds, at most a day"),
+    (["--hang-timeout", "inf"], "--hang-timeout must be a number >= 0"),
+    (["--preempt-signals", "SIGTERM,SIGKILL"], "--preempt-signals: SIGKILL cannot be caught"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("flags", "message"), BAD_FLAGS, ids=[f[0][0] for f in BAD_FLAGS])
+def test_bad_flags_are_one_line_and_exit_2(tmp_path, capsys, flags, message):
+    from dmltrain.cli import main
+
+    code = main(["tiny", *flags, "--run-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert message in one_error(err), err
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_yaml_float_without_a_dot_is_read_as_a_number(tmp_path):
+    from dmltrain.cli import discover_experiments, parse
+
+    (tmp_path / "c.yaml").write_text("lr: 1e-3\nweight_decay: 5E-4\n")
+    _, config, _ = parse(["tiny", "--config", str(tmp_path / "c.yaml")], discover_experiments())
+    assert (config.loop.lr, config.loop.weight_decay) == (1e-3, 5e-4)
+
+
+# Experiments that break the contract: (the method, as the user wrote it; what is said).
+BROKEN = {
+    "train_step returns None": ("def train_step(self, batch):\n        return None",
+                                "train_step must return the loss (a scalar tensor) or (loss, "
+                                "dict of metrics); it returned a NoneType as the loss"),
+    "train_step returns a float": ("def train_step(self, batch):\n        return 1.0",
+                                   "it returned a float as the loss"),
+    "a loss that is not a scalar": (
+        "def train_step(self, batch):\n        x, y = batch\n"
+        "        return (self.model(x) - y) ** 2", "its loss has shape (8, 1): reduce it"),
+    "a loss without grad": (
+        "def train_step(self, batch):\n        x, y = batch\n"
+        "        return ((self.model(x) - y) ** 2).mean().detach()",
+        "its loss does not require grad"),
+    "val_step returns a tensor": (
+        "def val_step(self, batch):\n        x, y = batch\n"
+        "        return ((self.model(x) - y) ** 2).mean()",
+        "val_step must return a dict of metrics (e.g. {'loss': loss}); it returned a Tensor"),
+    "a model without parameters": ("def create_model(self):\n        return torch.nn.ReLU()",
+                                   "create_model returned a ReLU with no trainable parameters"),
+    "one dataset": ("def create_datasets(self):\n        return self.data()[0]",
+                    "create_datasets must return (train dataset, validation dataset or None); "
+                    "it returned a TensorDataset"),
+    "samples of two shapes": (
+        "def create_datasets(self):\n        return Ragged(), None",
+        "the dataset's samples differ in shape (stack expects each tensor to be equal size"),
+    "an empty validation set": (
+        "def create_datasets(self):\n        return self.data()[0], TensorDataset("
+        "torch.zeros(0, 4), torch.zeros(0, 1))", "the validation dataset is empty"),
+    "a failing import": ("import no_such_module_here", "importing {file} failed, line 9: "
+                         "ModuleNotFoundError: No module named 'no_such_module_here'"),
+    "a syntax error": ("def train_step(self, batch) return 1", "{file}, line 9: "),
+}  # fmt: skip
+
+EXPERIMENT = """import torch
+from torch.utils.data import Dataset, TensorDataset
+
+from dmltrain import BaseTrainer, register_experiment
+
+
+class Broken(BaseTrainer):
+    name = "broken"
+    {method}
+
+    def data(self):
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(32, 4, generator=g)
+        return TensorDataset(x, x.sum(1, keepdim=True)), TensorDataset(x[:8], x[:8, :1])
+
+    def create_model(self):
+        return torch.nn.Linear(4, 1)
+
+    def create_datasets(self):
+        return self.data()
+
+    def train_step(self, batch):
+        x, y = batch
+        return ((self.model(x) - y) ** 2).mean()
+
+    def val_step(self, batch):
+        x, y = batch
+        return {{"loss": ((self.model(x) - y) ** 2).mean()}}
+
+
+class Ragged(Dataset):
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        return torch.zeros(3 + i % 2), torch.zeros(1)
+
+
+EXPERIMENT = register_experiment("broken", Broken)
+"""
+
+
+@pytest.mark.parametrize("case", BROKEN)
+def test_an_experiment_that_breaks_the_contract_is_told_which_method_and_what(tmp_path, case):
+    method, message = BROKEN[case]
+    file = tmp_path / "broken.py"
+    # the first definition of a name in a class body is overridden by a later one: put the
+    # broken method last
+    text = EXPERIMENT.replace("    {method}\n", "")
+    if method.startswith(("import", "def train_step(self, batch) return")):
+        lines = text.splitlines()
+        lines.insert(8, "    " + method)
+        text = "\n".join(lines) + "\n"
+    else:
+        text = text.replace("\n\nclass Ragged", f"\n    {method}\n\n\nclass Ragged")
+    file.write_text(text)
+    done = run_cli(str(file), "--epochs", "1", "--batch-size", "8", "--progress", "off",
+                   "--run-dir", str(tmp_path / "run"), cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert message.replace("{file}", str(file)) in one_error(done.stderr), done.stderr
