@@ -348,11 +348,13 @@ FULL = {
     "mlp": Plan(24, 3, 1, 3),
 }
 QUICK = {"tiny": Plan(200, 10, 50, 1, memory=False), "cnn": Plan(40, 5, 1, 1)}
+SMOKE = {"tiny": Plan(20, 2, 10, 1, memory=False), "cnn": Plan(4, 1, 1, 1, memory=False)}
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="the smallest size (a smoke test)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--contenders", default="", help=argparse.SUPPRESS)
@@ -368,7 +370,7 @@ def main(argv: list[str] | None = None) -> dict:
         worker(args)
         return {}
     texts, ratios, spread = [], {}, {}
-    for model, plan in (QUICK if args.quick else FULL).items():
+    for model, plan in (SMOKE if args.smoke else QUICK if args.quick else FULL).items():
         if args.device != "cpu":
             plan = plan._replace(block=max(plan.block, 20), steps=max(plan.steps, 100))
         table = measure(model, plan, args.device)

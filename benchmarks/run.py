@@ -1,7 +1,8 @@
 """Run every benchmark and write RESULTS.md and results.png.
 
     python -m benchmarks.run            # full mode (about 13 minutes on 2 CPU cores)
-    python -m benchmarks.run --quick    # quick mode (minutes; CI runs it as a smoke test)
+    python -m benchmarks.run --quick    # quick mode (minutes)
+    python -m benchmarks.run --smoke    # each at its smallest: the scripts run (the tests)
     python -m benchmarks.run --quick --out /tmp/bench --only overhead,startup
     python -m benchmarks.run --only collectives --update   # re-run one; keep the others
 
@@ -24,6 +25,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 from benchmarks.common import machine  # noqa: E402
 
+# Those whose quick mode still takes tens of seconds, and that have a smaller size (--smoke).
+SMOKE_SIZES = ("overhead", "scaling", "threads")
 BENCHMARKS = [
     "overhead",
     "startup",
@@ -159,7 +162,13 @@ def plot(reports: dict, path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a smoke test: one repetition")
+    parser.add_argument("--quick", action="store_true", help="one repetition of each")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="quick, and each benchmark at its smallest size: the scripts run and write their "
+        "results (the test suite); the figures mean nothing",
+    )
     parser.add_argument("--out", default=str(HERE), help="where RESULTS.md and results.png go")
     parser.add_argument("--only", help=f"comma-separated subset of {','.join(BENCHMARKS)}")
     parser.add_argument(
@@ -174,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown benchmark(s) {', '.join(sorted(unknown))}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    mode = "quick" if args.quick else "full"
+    args.quick = args.quick or args.smoke
+    mode = "smoke" if args.smoke else "quick" if args.quick else "full"
     reports, started = {}, time.monotonic()
     if args.update and (out / "results.json").is_file():
         kept = json.loads((out / "results.json").read_text())
@@ -183,7 +193,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"== {name}", flush=True)
         began = time.monotonic()
         module = importlib.import_module(f"benchmarks.{name}")
-        reports[name] = module.main(["--quick"] if args.quick else [])
+        flags = ["--quick"] if args.quick else []
+        if args.smoke and name in SMOKE_SIZES:
+            flags.append("--smoke")
+        reports[name] = module.main(flags)
         reports[name]["written"] = f"{datetime.date.today()}, {mode} mode"
         print(f"== {name}: {time.monotonic() - began:.0f} s", flush=True)
     reports = {name: reports[name] for name in BENCHMARKS if name in reports}
@@ -194,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         "# Benchmark results",
         "",
-        f"Written by `python -m benchmarks.run{' --quick' if args.quick else ''}` on "
+        f"Written by `python -m benchmarks.run{'' if mode == 'full' else ' --' + mode}` on "
         f"{datetime.date.today()} ({mode} mode, {time.monotonic() - started:.0f} s)"
         + (rerun if args.update else "."),
         f"Machine: {machine()}.",

@@ -109,6 +109,7 @@ def worker(nprocs: int, steps: int, run_dir: str) -> None:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="the smallest size (a smoke test)")
     parser.add_argument("--worker", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, default=40, help=argparse.SUPPRESS)
     parser.add_argument("--run-dir", help=argparse.SUPPRESS)
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
         else:
             worker(args.worker, args.steps, args.run_dir)
         return {}
-    rounds, steps = (1, 20) if args.quick else (5, 60)
+    rounds, steps = (1, 4) if args.smoke else (1, 20) if args.quick else (5, 60)
     tmp = tempfile.mkdtemp(prefix="dmltrain-scaling-")
     counter = iter(range(10**6))
     script = Path(__file__)

@@ -22,10 +22,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def epoch_time(threads: int, root: Path, name: str) -> tuple[float, str]:
+def epoch_time(threads: int, root: Path, name: str, steps: int = 0) -> tuple[float, str]:
     run = root / name
     command = [sys.executable, "-m", "dmltrain", "mnist", "--nprocs", "2", "--epochs", "1",
-               "--no-download", "--progress", "off", "--run-dir", str(run)]  # fmt: skip
+               "--no-download", "--progress", "off", "--run-dir", str(run),
+               "--max-steps", str(steps)]  # fmt: skip
     if threads:
         command += ["--threads", str(threads)]
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
@@ -38,6 +39,7 @@ def epoch_time(threads: int, root: Path, name: str) -> tuple[float, str]:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="one round")
+    parser.add_argument("--smoke", action="store_true", help="10 steps (a smoke test)")
     args = parser.parse_args(argv)
     rounds = 1 if args.quick else 4
     cores = len(os.sched_getaffinity(0))
@@ -47,7 +49,7 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory(prefix="dmltrain-threads-") as tmp:
         for i in range(rounds):
             for n, (name, threads) in enumerate(contenders.items()):
-                seconds, loss = epoch_time(threads, Path(tmp), f"run-{i}-{n}")
+                seconds, loss = epoch_time(threads, Path(tmp), f"run-{i}-{n}", 10 * args.smoke)
                 times[name].append(seconds)
                 losses[name].add(loss)
     before, after = (statistics.median(times[name]) for name in contenders)

@@ -152,6 +152,9 @@ def load_file(path: Path) -> dict[str, Any]:
 
 
 def _load(file: Path, checkpoint: Path) -> dict[str, Any]:
+    with open(file, "rb") as handle:  # torch.save writes a zip archive
+        if handle.read(4) not in (b"PK\x03\x04", b""):  # empty: a truncated one
+            raise UserError(f"{checkpoint} is not a checkpoint (not a file that torch.save wrote)")
     try:
         state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:

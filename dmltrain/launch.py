@@ -19,6 +19,7 @@ With ``--launcher auto`` they are tried in this order, first match wins:
 
 import os
 import re
+import secrets
 import socket
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, replace
@@ -425,9 +426,25 @@ def enable_flight_recorder(env: MutableMapping[str, str] | None = None) -> None:
 
 
 def free_port() -> int:
-    """A TCP port that is free now (the OS picks it; bound briefly, then released)."""
+    """A TCP port that is free now (bound briefly, then released), below the range the
+    system gives outgoing connections: a connection made before the rendezvous binds it
+    (Gloo makes many) cannot take it meanwhile. A random pick (not the ``random``
+    module's: that is the run's seeded state), the OS's where none is free."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as handle:
+            low = int(handle.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    for _ in range(50):
+        port = 20000 + secrets.randbelow(max(1, low - 20000))
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind(("", 0))
         return int(sock.getsockname()[1])
 
 

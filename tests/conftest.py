@@ -1,5 +1,5 @@
-"""Fixtures: a local HTTP server, the Slurm cluster, the cluster tests' reference run.
-The helpers the tests import are in helpers.py."""
+"""Fixtures: a local HTTP server, the Slurm cluster, the cluster tests' reference run; the
+order the modules run in. The helpers the tests import are in helpers.py."""
 
 import functools
 import http.server
@@ -14,6 +14,107 @@ from helpers import (
     require,
     run_cli,
 )
+
+# tests/run.sh runs modules side by side (pytest-xdist, --dist loadfile: a module's tests
+# share one worker, so its module-scoped runs are made once). Much of the suite waits on
+# Slurm, timeouts and sleeps while the cores idle; the longest modules start first so that
+# none is left running alone at the end. By their durations on a 2-core machine, longest
+# first (measured side by side, 4 workers); every other module follows in its usual order.
+LONGEST_FIRST = (
+    "test_precision",
+    "test_two_nodes",
+    "test_preemption",
+    "test_mnist",
+    "test_benchmarks",
+    "test_checkpoint",
+    "test_create_env",
+    "test_slurm",
+    "test_budget",
+    "test_sweep_submit",
+    "test_bad_input",
+    "test_distributed",
+    "test_checkpointer",
+    "test_ema",
+    "test_cli",
+    "test_evaluation",
+)
+
+
+# The quick tier (bash tests/run.sh --quick, under 5 minutes on 2 cores): every module's
+# mechanics with no Slurm, MPI or second node. A module's name takes all its tests; a test's
+# name (with its parameters, or a prefix of them) takes that one. A test added here should
+# cost seconds: CONTRIBUTING.md has the budget.
+QUICK = (
+    "test_batches.py",
+    "test_config.py",
+    "test_data.py",
+    "test_launch.py",
+    "test_metrics.py",
+    "test_mnist_data.py",
+    "test_peers.py",
+    "test_progress.py",
+    "test_trainer.py",
+    "test_training_log.py",
+    "test_bad_input.py::test_checkpoints_that_do_not_load_stop_the_run",
+    "test_bad_input.py::test_bad_flags_are_one_line_and_exit_2",
+    "test_bad_input.py::test_default_run_directories_never_collide",
+    "test_bad_input.py::test_a_yaml_float_without_a_dot_is_read_as_a_number",
+    "test_bad_input.py::test_a_status_file_in_a_missing_folder_is_refused_before_training",
+    "test_bad_input.py::test_a_rank_that_fails_in_its_own_code_is_named_and_the_run_fails[train",
+    "test_budget.py::test_bad_budgets_are_one_line",
+    "test_checkpoint.py::test_keep_last_and_best",
+    "test_checkpoint.py::test_async_save_writes_a_snapshot_and_reports_failures",
+    "test_checkpoint.py::test_wrong_model_names_keys_and_shapes",
+    "test_checkpoint.py::test_auto_resume_of_a_different_model_names_the_checkpoint_file",
+    "test_checkpoint.py::test_corrupt_latest_falls_back_to_the_previous",
+    "test_checkpoint.py::test_best_tracks_the_metric_and_time_based_saves_happen",
+    "test_checkpoint.py::test_resume_skips_a_corrupt_latest_and_ends_the_same",
+    "test_checkpoint.py::test_async_checkpoints_give_the_same_run",
+    "test_checkpoint.py::test_load_weights_for_fine_tuning",
+    "test_checkpoint.py::test_contents_load_with_plain_torch_and_no_prefixes",
+    "test_checkpoint.py::test_kill_9_during_writes_never_breaks_latest",
+    "test_cli.py::test_config_file_then_flags",
+    "test_cli.py::test_boolean_flags_come_in_pairs_and_override_the_config_file",
+    "test_cli.py::test_custom_experiment_through_main",
+    "test_cli.py::test_bad_input_is_one_line_and_exit_2[args1",
+    "test_evaluation.py::test_padding_is_trimmed_and_every_rank_runs_as_many_batches",
+    "test_nan.py::test_nonfinite_is_one_flag_for_many_tensors",
+    "test_nan.py::test_raise_stops_every_rank_in_the_same_step[loss]",
+    "test_nan.py::test_rollback_from_the_first_steps_uses_the_start_checkpoint",
+    "test_precision.py::test_fp16_overflow_is_skipped_and_counted_not_a_nan",
+    "test_precision.py::test_clipping_equals_manual_clipping",
+    "test_precision.py::test_grad_accumulation_with_a_short_last_group",
+    "test_preemption.py::test_handler_only_sets_a_flag",
+    "test_preemption.py::test_deadline_before_the_time_limit",
+    "test_preemption.py::test_the_agreement_comes_every_agreed_number_of_boundaries",
+    "test_preemption.py::test_an_agreement_that_costs_more_is_spaced_out_to_one_percent",
+    "test_preemption.py::test_sigusr1_then_resume_is_bit_exact[mid-epoch-2]",
+    "test_sweep.py::test_a_bad_space_is_refused_with_the_option_named",
+    "test_distributed.py::test_spawn_writes_once_from_rank_0",
+    "test_distributed.py::test_fsdp",
+    "test_checkpointer.py::test_resume_on_another_number_of_processes_keeps_the_global_batch[2x8->1x8x2]",
+    "test_evaluation.py::test_evaluate_is_exact_under_every_strategy[ddp]",
+    "test_mnist.py::test_one_epoch_on_the_sample",
+    "test_monitor.py::test_the_clock_splits_waiting_for_data_from_train_step",
+    "test_processes.py::test_a_class_from_python_stdin_trains_on_two_processes",
+    "test_tracking.py::test_offline_run_has_the_config_and_the_logged_metrics",
+    "test_watchdog.py::test_a_hang_no_collective_ends_stops_the_run_itself",
+    "test_threads.py::test_the_share_of_the_cores",
+    "test_threads.py::test_auto_workers_come_from_the_same_share",
+)
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        name = item.nodeid.split("/", 1)[-1]
+        if any(name.startswith(q if "::" in q else f"{q}::") for q in QUICK):
+            item.add_marker(pytest.mark.quick)
+
+    def rank(item) -> int:
+        name = item.module.__name__
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: a module's own tests keep their order
 
 
 @pytest.fixture

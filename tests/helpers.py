@@ -27,6 +27,7 @@ def cli_env(gpus: bool = False, **extra: str) -> dict[str, str]:
     """The environment for a dmltrain subprocess: tests/ importable, no batch-system ids,
     and no GPUs unless asked for (the mechanics tests run on the CPU with Gloo, as in CI)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "PBS_"))}
+    env.pop("MASTER_PORT", None)
     env["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(ROOT), env.get("PYTHONPATH", "")])
     if not gpus:
         env["CUDA_VISIBLE_DEVICES"] = ""
@@ -98,6 +99,13 @@ AT_ONCE = ("--preempt-check-seconds", "0")
 
 # 2 ranks under OpenMPI, as root and on fewer cores than ranks (this machine, CI).
 MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2"]
+
+
+def own_port() -> dict[str, str]:
+    """MASTER_PORT for a launcher whose ranks would otherwise meet on the fixed default port
+    (mpirun, horovodrun, a PBS script): tests run side by side (pytest-xdist), and two such
+    jobs on one port would meet each other."""
+    return {"MASTER_PORT": str(free_port())}
 
 
 def require(tool: str) -> None:

@@ -315,3 +315,61 @@ def test_an_experiment_that_breaks_the_contract_is_told_which_method_and_what(tm
                    "--run-dir", str(tmp_path / "run"), cwd=tmp_path)  # fmt: skip
     assert done.returncode == 2, done.stderr[-3000:]
     assert message.replace("{file}", str(file)) in one_error(done.stderr), done.stderr
+
+
+def test_resume_from_what_is_not_a_checkpoint_says_what_to_pass(finished, tmp_path):
+    for given, message in (
+        (finished, "is a directory, not a checkpoint: pass one of its checkpoint files"),
+        (finished / "config.yaml", "is not a checkpoint (not a file that torch.save wrote)"),
+    ):
+        done = run_cli(*STEPS, "--resume", str(given), "--run-dir", str(tmp_path / "r"),
+                       cwd=tmp_path)  # fmt: skip
+        assert done.returncode == 2 and message in one_error(done.stderr), done.stderr
+        assert "weights_only" not in done.stderr
+    run = tmp_path / "copy"
+    subprocess.run(["cp", "-a", str(finished), str(run)], check=True)
+    before = contents(run)
+    done = run_cli(*STEPS, "--resume", "never", "--run-dir", str(run), cwd=tmp_path)
+    assert done.returncode == 2
+    assert "already holds a run with checkpoints: --resume never starts a new run only in a " \
+        "new --run-dir" in one_error(done.stderr)  # fmt: skip
+    assert contents(run) == before
+
+
+def test_resuming_into_a_read_only_run_directory_is_one_line(finished, tmp_path):
+    run = tmp_path / "run"
+    subprocess.run(["cp", "-a", str(finished), str(run)], check=True)
+    before = contents(run)
+    # a read-only mount of it, read-only for root too (needs root, as in CI)
+    subprocess.run(["mount", "--bind", str(run), str(run)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(run)], check=True)
+        done = run_cli(*STEPS, "--epochs", "2", "--run-dir", str(run), cwd=tmp_path)
+    finally:
+        subprocess.run(["umount", str(run)], check=True)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"cannot write {run / 'config.yaml'}" in one_error(done.stderr)
+    assert contents(run) == before
+
+
+def test_the_tools_on_broken_files_are_one_line(finished, tmp_path):
+    run = tmp_path / "run"
+    subprocess.run(["cp", "-a", str(finished), str(run)], check=True)
+    nowhere = run_cli("plot", str(run), "-o", str(tmp_path / "nodir" / "x.png"), cwd=tmp_path)
+    assert nowhere.returncode == 2
+    assert f"cannot write {tmp_path / 'nodir' / 'x.png'}" in one_error(nowhere.stderr)
+    with open(run / "steps.csv", "a") as steps:  # a run stopped while writing a row
+        steps.write("13,1,0.5")
+    partial = run_cli("plot", str(run), cwd=tmp_path)
+    assert partial.returncode == 0, partial.stderr[-3000:]
+    log = run / "training_log.csv"
+    log.write_text(log.read_text().replace("\n1,", "\nx,", 1))
+    text = run_cli("plot", str(run), cwd=tmp_path)
+    assert text.returncode == 2 and "holds a value that is not a number" in one_error(text.stderr)
+    sweep = tmp_path / "sweep"
+    sweep.mkdir()
+    (sweep / "sweep.json").write_text('{"experiment": "tiny", "tri')
+    status = run_cli("sweep", "status", str(sweep), cwd=tmp_path)
+    assert status.returncode == 2 and f"{sweep / 'sweep.json'} cannot be read" in one_error(
+        status.stderr
+    )

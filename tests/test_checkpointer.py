@@ -14,7 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from helpers import AT_ONCE, assert_same_run, cli_env, log_numbers, require, run_cli
+from helpers import AT_ONCE, assert_same_run, cli_env, log_numbers, own_port, require, run_cli
 
 from dmltrain.checkpoint import list_checkpoints, load_file
 
@@ -69,7 +69,7 @@ def preempted(tmp_path_factory) -> dict[int, Path]:
         (2, shape(1, 8, "--grad-accum", "2")),
         (2, shape(4, 4)),  # more processes than cores
         (1, shape(2, 8)),
-        (2, shape(1, 1, "--global-batch-size", "16")),  # the flag, not the arithmetic
+        (2, ["--nprocs", "1", "--global-batch-size", "16"]),  # the flag, not --batch-size
     ],
     ids=["2x8->1x16", "2x8->1x8x2", "2x8->4x4", "1x16->2x8", "2x8->global-16"],
 )
@@ -158,7 +158,7 @@ def test_fsdp_and_horovod_resume_on_one_process(tmp_path, reference):
         done = subprocess.run(
             ["horovodrun", "--gloo", "-np", str(nprocs), "-H", f"localhost:{nprocs}",
              "dmltrain", *BASE, "--run-dir", str(hvd), "--batch-size", str(batch), *extra],
-            cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300,
+            cwd=tmp_path, env=cli_env(**own_port()), capture_output=True, text=True, timeout=300,
         )  # fmt: skip
         assert done.returncode == code, done.stdout[-3000:]
         assert (hvd / "checkpoints" / "ckpt-000001-00000004.pt").is_file()

@@ -20,12 +20,12 @@ from tiny import TinyOptions
     [
         ({"epochs": 0}, "--epochs must be at least 1"),
         ({"batch_size": -2}, "--batch-size must be at least 1"),
-        ({"lr": 0.0}, "--lr must be positive"),
+        ({"lr": 0.0}, "--lr must be a positive number"),
         ({"log_every": 0}, "--log-every must be at least 1"),
         ({"num_workers": -1}, "--num-workers must be auto or a number >= 0"),
         ({"num_workers": "all"}, "--num-workers must be auto or a number >= 0"),
-        ({"weight_decay": -0.1}, "--weight-decay must be >= 0"),
-        ({"preempt_check_seconds": -1.0}, "--preempt-check-seconds must be >= 0"),
+        ({"weight_decay": -0.1}, "--weight-decay must be a number >= 0"),
+        ({"preempt_check_seconds": -1.0}, "--preempt-check-seconds must be a number >= 0"),
     ],
 )
 def test_validation_names_the_flag(kwargs, message):

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, require
+from helpers import ROOT, own_port, require
 
 SCRIPT = str(ROOT / "environment" / "create_env.sh")
 # The sample MNIST shipped with dmltrain, without a download attempt (no network here).
@@ -47,7 +47,8 @@ def venv(tmp_path_factory):
 
 
 def run_in(venv: Path, *command: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = clean_env(PATH=f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}", VIRTUAL_ENV=str(venv))
+    env = clean_env(PATH=f"{venv / 'bin'}{os.pathsep}{os.environ['PATH']}", VIRTUAL_ENV=str(venv),
+                    **own_port())  # fmt: skip
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from helpers import AT_ONCE, cli_env, log_numbers, require, run_cli, signal_at_line
+from helpers import AT_ONCE, cli_env, log_numbers, own_port, require, run_cli, signal_at_line
 
 from dmltrain.checkpoint import load_file
 from dmltrain.launch import free_port
@@ -125,8 +125,8 @@ def test_mnist_under_every_launcher_ends_bitwise_equal(
         script = tmp_path / "job.sh"
         script.write_text(f"#!/bin/bash\nsrun {' '.join(dmltrain)}\n")
         command = ["sbatch", "--wait", "-n", "2", "-o", str(tmp_path / "out"), str(script)]
-    done = subprocess.run(command, env=cli_env(), cwd=tmp_path, capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    done = subprocess.run(command, env=cli_env(**own_port()), cwd=tmp_path, capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
     out = (tmp_path / "out").read_text() if (tmp_path / "out").exists() else ""
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:] + out[-2000:]
     ranks = json.loads((run / "diagnostics.json").read_text())["ranks"]

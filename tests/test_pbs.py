@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, TESTS, TINY_RUN, assert_same_run, cli_env, require
+from helpers import ROOT, TESTS, TINY_RUN, assert_same_run, cli_env, own_port, require
 
 PBS = ROOT / "slurm" / "pbs"
 TINY = TINY_RUN
@@ -29,7 +29,7 @@ def pbs_env(tmp_path: Path, **extra: str) -> dict[str, str]:
         FAKE_PBS_COUNTER=str(tmp_path / "counter"),
         OMPI_ALLOW_RUN_AS_ROOT="1",
         OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-        **extra,
+        **{**own_port(), **extra},
     )
 
 

@@ -7,7 +7,7 @@ import helpers
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import SAMPLE, assert_same_run, cli_env, require, run_cli
+from helpers import SAMPLE, assert_same_run, cli_env, own_port, require, run_cli
 from torch.utils.data import DataLoader, DistributedSampler
 
 from dmltrain import TrainConfig, UserError
@@ -157,7 +157,7 @@ def test_horovod_with_fp16_accumulation_and_clipping(tmp_path):
     done = subprocess.run(
         ["horovodrun", "--gloo", "-np", "2", "-H", "localhost:2", sys.executable, "-m",
          "dmltrain", *TINY, *args, "--strategy", "horovod", "--run-dir", str(hvd)],
-        cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300,
+        cwd=tmp_path, env=cli_env(**own_port()), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert_same_run(ddp, hvd, rel=1e-4)

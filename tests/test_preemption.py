@@ -17,6 +17,7 @@ from helpers import (
     RANDOM,
     assert_same_run,
     cli_env,
+    own_port,
     require,
     run_cli,
     signal_at_line,
@@ -298,8 +299,8 @@ def horovod_uninterrupted(tmp_path_factory):
     require("horovodrun")
     run = tmp_path_factory.mktemp("horovod") / "run"
     args = [*under("horovodrun"), *TINY, "--strategy", "horovod", "--run-dir", str(run)]
-    done = subprocess.run(args, cwd=run.parent, env=cli_env(), capture_output=True, text=True,
-                          timeout=300)  # fmt: skip
+    done = subprocess.run(args, cwd=run.parent, env=cli_env(**own_port()), capture_output=True,
+                          text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     return run
 
@@ -325,7 +326,7 @@ def test_resume_under_each_launcher_is_bit_exact(uninterrupted, request, tmp_pat
                                                  "1", "--die-at-step", "9"]}[event]  # fmt: skip
 
     def start(*extra: str) -> subprocess.CompletedProcess:
-        return subprocess.run([*command, *extra], cwd=tmp_path, env=cli_env(),
+        return subprocess.run([*command, *extra], cwd=tmp_path, env=cli_env(**own_port()),
                               capture_output=True, text=True, timeout=300)  # fmt: skip
 
     first = start(*fault)

@@ -97,7 +97,7 @@ def test_the_directory_holds_each_trials_command_and_refuses_another_sweep(tmp_p
     [
         ("dropout: [0.1, abc]\n", [], "trial 1 (dropout=abc) is refused: argument --dropout: "
                                        "invalid float value: 'abc'"),
-        ("lr: [-1]\n", [], "trial 0 (lr=-1) is refused: --lr must be positive"),
+        ("lr: [-1]\n", [], "trial 0 (lr=-1) is refused: --lr must be a positive number"),
         ("dropout: [0.1]\n", ["--epochs", "x"], "argument --epochs: invalid int value: 'x'"),
     ],
 )  # fmt: skip
