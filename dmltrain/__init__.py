@@ -1,12 +1,24 @@
-"""dmltrain: write one BaseTrainer subclass, get a cluster-ready training loop."""
+"""dmltrain: write one BaseTrainer subclass, get a cluster-ready training loop.
 
-from dmltrain.cli import Experiment, register_experiment
-from dmltrain.config import DataConfig, LoopConfig, TrainConfig
-from dmltrain.errors import ConfigError, UserError
-from dmltrain.launch import DistInfo
-from dmltrain.trainer import BaseTrainer
+The names below are imported when first used, so that the ``dmltrain`` command
+(``dmltrain.command``) starts before torch is imported and can answer Ctrl-C during
+start-up with one line."""
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+_WHERE = {
+    "BaseTrainer": "dmltrain.trainer",
+    "ConfigError": "dmltrain.errors",
+    "DataConfig": "dmltrain.config",
+    "DistInfo": "dmltrain.launch",
+    "Experiment": "dmltrain.cli",
+    "LoopConfig": "dmltrain.config",
+    "TrainConfig": "dmltrain.config",
+    "UserError": "dmltrain.errors",
+    "register_experiment": "dmltrain.cli",
+}
 __all__ = [
     "BaseTrainer",
     "ConfigError",
@@ -18,3 +30,16 @@ __all__ = [
     "UserError",
     "register_experiment",
 ]
+
+if TYPE_CHECKING:
+    from dmltrain.cli import Experiment, register_experiment
+    from dmltrain.config import DataConfig, LoopConfig, TrainConfig
+    from dmltrain.errors import ConfigError, UserError
+    from dmltrain.launch import DistInfo
+    from dmltrain.trainer import BaseTrainer
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module 'dmltrain' has no attribute {name!r}")

@@ -2,6 +2,6 @@
 
 import sys
 
-from dmltrain.cli import entry
+from dmltrain.command import entry
 
 sys.exit(entry())

@@ -429,4 +429,8 @@ def entry() -> int:
     script or notebook calling ``main`` keeps its collector untouched.
     """
     gc.freeze()
-    return main()
+    try:
+        return main()
+    except KeyboardInterrupt:  # before the run catches signals (it stops at a step then)
+        print("dmltrain: interrupted", file=sys.stderr, flush=True)
+        return 130

@@ -197,13 +197,6 @@ def per_process_batch(loop: LoopConfig, world_size: int) -> int:
         f"--global-batch-size {total} does not divide into {world_size} process(es) x "
         f"--grad-accum {loop.grad_accum}: choose a multiple of {share}",
     )
-    default = LoopConfig.__dataclass_fields__["batch_size"].default
-    check(
-        loop.batch_size in (default, total // share),
-        f"--batch-size {loop.batch_size} and --global-batch-size {total} disagree on "
-        f"{world_size} process(es) x --grad-accum {loop.grad_accum} (that is --batch-size "
-        f"{total // share}): give one of them",
-    )
     return total // share
 
 

@@ -138,14 +138,13 @@ class Strategy:
         if not (self.info.distributed and peers.means_lost(exc)):
             return None
         here, rank = hostname(), self.info.rank
-        failed = None if self.store is None else peers.failure_announced(self.store)
-        if failed is not None:
-            return PeerFailed(
-                f"{failed}; not a lost node, so nothing is requeued: fix it, then run the "
-                "same command to resume from the newest checkpoint"
-            )
         if self.store is not None:
             missing = peers.roll_call(self.store, rank, self.info.world_size, window=10.0)
+            if isinstance(missing, str):  # a rank failed in its own code and said so
+                return PeerFailed(
+                    f"{missing}; not a lost node, so nothing is requeued: fix it, then run "
+                    "the same command to resume from the newest checkpoint"
+                )
         else:  # no store to call the roll through (Horovod): this host's ranks are looked up
             deadline = time.monotonic() + 3.0  # a killed process closes its sockets first
             while True:

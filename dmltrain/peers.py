@@ -11,7 +11,7 @@ answer, rank 0, which holds it, is the one this rank lost contact with.
 import re
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -33,20 +33,27 @@ def means_lost(exc: BaseException) -> bool:
     return isinstance(exc, dist.DistError) or any(s in text for s in _LOST)
 
 
-def roll_call(store: Any, rank: int, world_size: int, window: float) -> list[int] | None:
-    """Check in as alive and wait up to ``window`` seconds for every rank to do the same.
-    Returns the ranks that did not, or None when the store does not answer.
+def roll_call(store: Any, rank: int, world_size: int, window: float) -> list[int] | str | None:
+    """The line a rank that failed in its own code left (``announce_failure``), if one did;
+    else check in as alive and wait up to ``window`` seconds for every rank to do the same,
+    and return the ranks that did not. None when the store does not answer.
 
-    In a thread of its own, given up after ``window`` and a few seconds: on a link that is
-    down, a store request waits for TCP to give up (many minutes), whatever its timeout."""
-    result: list[list[int] | None] = [None]
-    thread = threading.Thread(
-        target=lambda: result.__setitem__(0, _roll_call(store, rank, world_size, window)),
-        name="dmltrain-roll-call",
-        daemon=True,
+    Given up after ``window`` and a few seconds (``_within``)."""
+    return _within(
+        window + 6.0,
+        lambda: _failure_announced(store) or _roll_call(store, rank, world_size, window),
     )
+
+
+def _within(seconds: float, ask: Callable[[], Any]) -> Any:
+    """``ask()``, in a thread of its own, or None when it has not answered in ``seconds``:
+    on a link that is down, a store request waits for TCP to give up (many minutes),
+    whatever its timeout."""
+    result: list[Any] = [None]
+    thread = threading.Thread(target=lambda: result.__setitem__(0, ask()),
+                              name="dmltrain-store-request", daemon=True)  # fmt: skip
     thread.start()
-    thread.join(window + 6.0)
+    thread.join(seconds)
     return result[0]
 
 
@@ -76,6 +83,10 @@ _FAILED = "dmltrain/failed"
 
 def announce_failure(store: Any, line: str) -> None:
     """Leave ``line`` in the store, unless a rank that failed earlier left its own."""
+    _within(6.0, lambda: _announce(store, line))
+
+
+def _announce(store: Any, line: str) -> None:
     try:
         store.set_timeout(timedelta(seconds=5))
         store.compare_set(_FAILED, "", line)  # set only where no line is yet
@@ -83,8 +94,7 @@ def announce_failure(store: Any, line: str) -> None:
         pass
 
 
-def failure_announced(store: Any) -> str | None:
-    """The line a failed rank left, if any."""
+def _failure_announced(store: Any) -> str | None:
     try:
         store.set_timeout(timedelta(seconds=5))
         if not store.check([_FAILED]):

@@ -14,6 +14,7 @@ Exit status 3 (``EXIT_REQUEUE``) means "a checkpoint was saved and there is more
 requeue to the exit status.
 """
 
+import os
 import shutil
 import signal
 import subprocess
@@ -30,6 +31,7 @@ class PreemptionWatcher:
     def __init__(self, signal_names: list[str], deadline: float | None = None) -> None:
         self.requested: str | None = None
         self.deadline = deadline
+        self.parent = os.getppid()  # a --nprocs worker's parent: gone, it sends SIGINT
         self._received: list[int] = []  # signal numbers not yet taken by ``take_received``
         self._previous: dict[int, object] = {}
         for name in signal_names:
@@ -50,6 +52,13 @@ class PreemptionWatcher:
         if self.requested is None and self.deadline is not None and time.time() >= self.deadline:
             self.requested = "time limit"
         return self.requested is not None
+
+    def why(self) -> str:
+        """Why the run stops: the signal, the time limit, or a --nprocs worker's parent that
+        ended (torch's workers get SIGINT when their parent dies)."""
+        if self.requested == "SIGINT" and os.getppid() != self.parent:
+            return "the --nprocs parent process ended"
+        return self.requested or "another rank was signalled"
 
     def restore(self) -> None:
         for number, handler in self._previous.items():

@@ -13,6 +13,7 @@ and then fail with a backend's message is checked here, through the store:
 import datetime
 import json
 import socket
+import time
 from typing import Any
 
 import torch
@@ -43,6 +44,13 @@ def _rendezvous_failed(
     exc: BaseException, rank: int, where: str, here: str, seconds: float
 ) -> UserError:
     """The one line for a TCPStore that could not be made (``exc``) on this rank."""
+    text = str(exc)
+    if rank == 0 and ("EADDRINUSE" in text or "address already in use" in text.lower()):
+        return UserError(
+            f"rank 0 on {here}: the rendezvous port {where.rsplit(':', 1)[-1]} is in use by "
+            "another program: set MASTER_PORT to a free port (under Slurm, leave it unset: "
+            "the job id picks one)"
+        )
     if rank == 0:
         return UserError(
             f"rank 0 on {here}: not every rank reached the rendezvous at {where} within "
@@ -75,12 +83,27 @@ def check(store: Any, rank: int, world_size: int, here: str, interface_set: bool
     store.set(f"dmltrain/preflight/{rank}", json.dumps(mine))
     keys = [f"dmltrain/preflight/{r}" for r in range(world_size)]
     ranks = [json.loads(store.get(key)) for key in keys]
+    store.add(_READ, 1)
+    problem = _problem(ranks, interface_set)
+    if problem is not None:
+        if rank == 0:  # the store leaves with rank 0: the others read everything first
+            deadline = time.monotonic() + 30.0
+            while store.add(_READ, 0) < world_size and time.monotonic() < deadline:
+                time.sleep(0.05)
+        raise UserError(problem)
+
+
+_READ = "dmltrain/preflight-read"  # how many ranks have read every rank's post
+
+
+def _problem(ranks: list[dict[str, Any]], interface_set: bool) -> str | None:
+    """What is wrong with the ranks' hosts and versions (the same on every rank), or None."""
     hosts = {r["host"]: r for r in ranks}
     if len(hosts) > 1 and not interface_set:
         loopback = [f"{h} ({r['address']})" for h, r in hosts.items()
                     if (r["address"] or "").startswith("127.")]  # fmt: skip
         if loopback:
-            raise UserError(
+            return (
                 f"the job spans {len(hosts)} hosts, and the name of {', '.join(loopback)} "
                 "resolves to a loopback address the others cannot reach: map it to the "
                 "node's network address in /etc/hosts, or set GLOO_SOCKET_IFNAME (and "
@@ -92,7 +115,8 @@ def check(store: Any, rank: int, world_size: int, here: str, interface_set: bool
             seen.setdefault(r["versions"].get(package), []).append(host)
         if len(seen) > 1:
             which = "; ".join(f"{v or 'not installed'} on {', '.join(h)}" for v, h in seen.items())
-            raise UserError(
+            return (
                 f"the nodes run different versions of {package}: {which}: install the same "
                 "environment on every node"
             )
+    return None

@@ -185,7 +185,14 @@ class Sweep:
         return self.directory / f"trial-{i}"
 
     def args(self, i: int) -> list[str]:
-        return (self.trial_dir(i) / "args").read_text().splitlines()
+        """Trial ``i``'s command line, run in its directory where the sweep is now (a copied
+        or moved sweep runs its trials in the copy)."""
+        lines = (self.trial_dir(i) / "args").read_text().splitlines()
+        here = str(self.trial_dir(i).resolve())
+        if "--run-dir" in lines[:-1]:
+            return [*lines[: lines.index("--run-dir") + 1], here,
+                    *lines[lines.index("--run-dir") + 2 :]]  # fmt: skip
+        return [*lines, "--run-dir", here]
 
     def add_job(self, job: str) -> None:
         record = self.load()

@@ -143,7 +143,7 @@ def submit_array(sweep: Sweep, left: list[int], args: argparse.Namespace) -> int
     body = [  # the task's trial, or its trials started by `dmltrain sweep task`
         "trial=${SLURM_ARRAY_TASK_ID:?submit this script as a job array (sbatch --array)}",
         'mapfile -t trial_args < "$sweep/trial-$trial/args"',
-        '[ $# -gt 0 ] || set -- "${trial_args[@]}"',
+        '[ $# -gt 0 ] || set -- "${trial_args[@]}" --run-dir "$sweep/trial-$trial"',
     ]
     if per_task > 1:
         output = f"{directory}/task-%a-slurm-%A.out"
@@ -273,7 +273,7 @@ def submit_pbs_array(sweep: Sweep, left: list[int], args: argparse.Namespace) ->
         "        exit 0",
         "    fi",
         '    mapfile -t trial_args < "$sweep/trial-$trial/args"',
-        '    set -- "${trial_args[@]}"',
+        '    set -- "${trial_args[@]}" --run-dir "$sweep/trial-$trial"',
         "fi",
     ]
     output = {"#PBS -o ": f"#PBS -o {directory}/pbs-^array_index^.out"}

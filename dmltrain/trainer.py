@@ -40,7 +40,7 @@ from dmltrain import (
 from dmltrain.batches import chunks
 from dmltrain.budget import Budget, Done, total_steps
 from dmltrain.checkpointer import Checkpointer, Saved
-from dmltrain.config import TrainConfig, as_plain, per_process_batch, to_yaml
+from dmltrain.config import LoopConfig, TrainConfig, as_plain, per_process_batch, to_yaml
 from dmltrain.distributed import Strategy, create_strategy, unwrap
 from dmltrain.ema import EMA
 from dmltrain.errors import PeerLost, StopForRequeue, UserError
@@ -116,6 +116,11 @@ class BaseTrainer(TrainerHooks):
             dist = launch.detect(self.config.distributed.launcher, self.config.distributed.nprocs)
         self.dist = dist
         batch = per_process_batch(self.config.loop, dist.world_size)
+        given = self.config.loop.batch_size
+        if batch != given and given != LoopConfig().batch_size and dist.is_main:
+            self.warn(f"--global-batch-size {self.config.loop.global_batch_size} on "
+                      f"{dist.world_size} process(es) sets --batch-size {batch}, not the "
+                      f"{given} given")  # fmt: skip
         self.config = self.config.replace(batch_size=batch)
         self.environment = launch.run_environment()
         self.device = torch.device(self.dist.device)
@@ -395,7 +400,7 @@ class BaseTrainer(TrainerHooks):
         """After the preemption checkpoint: ask Slurm to requeue; why the run stops."""
         if self.dist.is_main and self.config.preemption.requeue:
             preemption.requeue(self.dist.job_id, self.progress.info)
-        why = self.watcher.requested or "another rank was signalled"
+        why = self.watcher.why()
         return (
             f"preempted ({why}): checkpoint saved at epoch {self.state.epoch + 1}, step "
             f"{self.state.step_in_epoch}; exit status 3"

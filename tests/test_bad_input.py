@@ -190,8 +190,6 @@ BAD_FLAGS = [
     (["--max-time", "-1"], "--max-time '-1': give a duration like"),
     (["--lr", "inf"], "--lr must be a positive number (got inf)"),
     (["--weight-decay", "inf"], "--weight-decay must be a number >= 0 (got inf)"),
-    (["--batch-size", "32", "--global-batch-size", "64"],
-     "--batch-size 32 and --global-batch-size 64 disagree on 1 process(es)"),
     (["--load-weights", "a.pt", "--resume", "a.pt"], "give one of them"),
     (["--profile-steps", "1:2", "--profile-ranks", "7"],
      "--profile-ranks 7: this run has 1 process(es), ranks 0 to 0"),
@@ -373,3 +371,104 @@ def test_the_tools_on_broken_files_are_one_line(finished, tmp_path):
     assert status.returncode == 2 and f"{sweep / 'sweep.json'} cannot be read" in one_error(
         status.stderr
     )
+
+
+def test_a_rendezvous_port_in_use_says_so(tmp_path):
+    """MASTER_PORT taken by another program: one line saying so, at once."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        started = time.monotonic()
+        done = run_cli(*STEPS, "--nprocs", "2", "--run-dir", str(tmp_path / "run"),
+                       cwd=tmp_path, MASTER_PORT=port)  # fmt: skip
+    assert time.monotonic() - started < 60  # not --dist-timeout's 300 s
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert f"the rendezvous port {port} is in use by another program: set MASTER_PORT" in (
+        done.stderr
+    )
+
+
+def test_a_copied_sweep_runs_its_trials_in_the_copy(tmp_path):
+    from dmltrain.sweep import Sweep
+
+    first = Sweep(tmp_path / "first")
+    first.create("tiny", ["--epochs", "1"], [{"lr": 0.1}])
+    subprocess.run(["cp", "-a", str(tmp_path / "first"), str(tmp_path / "copy")], check=True)
+    args = Sweep(tmp_path / "copy").args(0)
+    assert args.count("--run-dir") == 1
+    assert args[args.index("--run-dir") + 1] == str((tmp_path / "copy" / "trial-0").resolve())
+
+
+@pytest.mark.parametrize("after", [0.5, 2.0])
+def test_ctrl_c_during_start_up_is_one_line(tmp_path, after):
+    """SIGINT while torch is imported (0.5 s) or while the run is set up (2 s): one line and
+    exit 130, or, once the run catches signals, a preemption (exit 3); never a traceback."""
+    import signal
+
+    proc = subprocess.Popen([sys.executable, "-m", "dmltrain", *STEPS, "--run-dir",
+                             str(tmp_path / "run")], cwd=tmp_path, env=cli_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    time.sleep(after)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert "Traceback" not in err, err[-3000:]
+    if proc.returncode == 130:
+        assert err.strip().splitlines()[-1] in (
+            "dmltrain: interrupted while starting",
+            "dmltrain: interrupted",
+        ), err[-2000:]
+    else:
+        assert proc.returncode == 3 and "preempted (SIGINT)" in err, (proc.returncode, err)
+
+
+def test_workers_whose_nprocs_parent_is_killed_say_so_and_save(tmp_path):
+    """kill -9 of the --nprocs parent: its workers (told by SIGINT) save a checkpoint and
+    say that the parent ended, not that they were preempted by a SIGINT; the run resumes."""
+    import signal
+
+    run = tmp_path / "run"
+    args = [*STEPS, "--nprocs", "2", "--step-sleep", "0.2", "--progress", "log",
+            "--log-every", "1", "--run-dir", str(run)]  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "dmltrain", *args], cwd=tmp_path,
+                            env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)  # fmt: skip
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if "step 3/" in line:
+            proc.send_signal(signal.SIGKILL)
+            break
+    out = proc.stdout.read()  # until the workers, which share the pipe, have ended
+    proc.wait(timeout=60)
+    assert "preempted (the --nprocs parent process ended): checkpoint saved" in out, out[-3000:]
+    resumed = run_cli(*args, cwd=tmp_path)
+    assert resumed.returncode == 0 and "dmltrain: resuming from" in resumed.stdout, resumed.stderr
+
+
+def test_a_best_metric_not_in_the_log_is_said_once(tmp_path):
+    done = run_cli(*TINY, "--best-metric", "val_los", "--run-dir", str(tmp_path / "run"),
+                   cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stderr.splitlines() if "--best-metric val_los" in line]
+    assert (
+        len(lines) == 1 and "is not in the training log (it has train_loss, val_loss" in (lines[0])
+    ), done.stderr
+
+
+def test_an_experiment_file_named_like_a_standard_module_says_rename_it(tmp_path):
+    file = tmp_path / "copy.py"
+    file.write_text(EXPERIMENT.replace("    {method}\n", ""))
+    (tmp_path / "elsewhere").mkdir()  # run from beside it, copy.py would shadow Python's own
+    done = run_cli(str(file), "--epochs", "1", cwd=tmp_path / "elsewhere")
+    assert done.returncode == 2
+    assert f"{file} has the name of a module Python already has (copy)" in one_error(done.stderr)
+
+
+def test_a_batch_size_that_the_global_batch_overrides_is_said(tmp_path):
+    done = run_cli(*STEPS, "--batch-size", "4", "--global-batch-size", "8", "--run-dir",
+                   str(tmp_path / "run"), cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "WARNING: --global-batch-size 8 on 1 process(es) sets --batch-size 8, not the 4 " \
+        "given" in done.stderr  # fmt: skip

@@ -69,7 +69,7 @@ def preempted(tmp_path_factory) -> dict[int, Path]:
         (2, shape(1, 8, "--grad-accum", "2")),
         (2, shape(4, 4)),  # more processes than cores
         (1, shape(2, 8)),
-        (2, ["--nprocs", "1", "--global-batch-size", "16"]),  # the flag, not --batch-size
+        (2, shape(1, 1, "--global-batch-size", "16")),  # the flag, not the arithmetic
     ],
     ids=["2x8->1x16", "2x8->1x8x2", "2x8->4x4", "1x16->2x8", "2x8->global-16"],
 )

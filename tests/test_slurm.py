@@ -247,13 +247,19 @@ def _release(job: str) -> bool:
     return False
 
 
-@pytest.mark.parametrize("rank", ["1", "0"])
-def test_a_rank_that_fails_in_its_own_code_fails_the_job_without_a_requeue(slurm, tmp_path,
-                                                                          rank):  # fmt: skip
+@pytest.mark.parametrize(("script", "rank"), [("run.sh", "1"), ("run.sh", "0"),
+                                             ("torchrun.sh", "1")])  # fmt: skip
+def test_a_rank_that_fails_in_its_own_code_fails_the_job_without_a_requeue(
+    slurm, tmp_path, script, rank
+):
     """A bug on one rank (it raises in train_step): the job fails (exit 1) and is not
     requeued, whichever rank it was: rank 0's status in --status-file is the job's, also
-    when the other rank, which lost rank 0, says 5."""
-    job = sbatch(tmp_path, *TINY, "--raise-rank", rank, "--raise-at-step", "5")
+    when the other rank, which lost rank 0, says 5 (and torchrun says 1 for any)."""
+    torchrun = script == "torchrun.sh"
+    job = sbatch(tmp_path, *TINY, "--raise-rank", rank, "--raise-at-step", "5",
+                 script=str(SLURM / script),
+                 options=("--ntasks-per-node", "1", "--cpus-per-task", "2") if torchrun else (),
+                 env={"DMLTRAIN_NPROC_PER_NODE": "2"} if torchrun else None)  # fmt: skip
     assert ended(job, 120) == "FAILED"
     log = (tmp_path / "job.out").read_text()
     assert job_field(job, "Restarts") == "0" and job_field(job, "ExitCode") == "1:0", log[-3000:]

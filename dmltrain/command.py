@@ -1,0 +1,13 @@
+"""The ``dmltrain`` command and ``python -m dmltrain``: ``dmltrain.cli.entry`` in a process of
+its own, with Ctrl-C before it starts (while torch is imported) one line, not a traceback."""
+
+import sys
+
+
+def entry() -> int:
+    try:
+        from dmltrain.cli import entry as run
+    except KeyboardInterrupt:
+        print("dmltrain: interrupted while starting", file=sys.stderr, flush=True)
+        return 130
+    return run()
