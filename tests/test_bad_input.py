@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import TINY, assert_same_run, cli_env, run_cli
+from helpers import AT_ONCE, TINY, assert_same_run, cli_env, run_cli
 from test_checkpoint import small_disk  # noqa: F401 (a fixture)
 
 from dmltrain import rundir
@@ -430,8 +430,8 @@ def test_workers_whose_nprocs_parent_is_killed_say_so_and_save(tmp_path):
     import signal
 
     run = tmp_path / "run"
-    args = [*STEPS, "--nprocs", "2", "--step-sleep", "0.2", "--progress", "log",
-            "--log-every", "1", "--run-dir", str(run)]  # fmt: skip
+    args = [*STEPS, "--epochs", "3", "--nprocs", "2", "--step-sleep", "0.2", "--progress",
+            "log", "--log-every", "1", *AT_ONCE, "--run-dir", str(run)]  # fmt: skip
     proc = subprocess.Popen([sys.executable, "-m", "dmltrain", *args], cwd=tmp_path,
                             env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)  # fmt: skip

@@ -301,8 +301,12 @@ def test_a_job_that_lost_a_node_ends_requeues_and_resumes_bitwise(two_nodes, tin
     out = tmp_path / "job.out"
     wait_for(lambda: out.exists() and "epoch 1/3 step 6/" in out.read_text(), 120, "training")
     subprocess.run(["ip", "link", "set", "vh2", "down"], check=True)
+    # On a loaded machine, Slurm may find node2 failed (SlurmdTimeout) before srun ends the
+    # step: then Slurm requeues the job itself. Either way the job is requeued and resumes.
+    requeued = ("requeueing job", "DUE TO NODE FAILURE")
     try:  # --dist-timeout 20, the roll call, --wait 30, srun's own 12 s, the requeue
-        wait_for(lambda: "requeueing job" in out.read_text(), 20 + 16 + 30 + 12 + 30, "requeue")
+        wait_for(lambda: any(r in out.read_text() for r in requeued), 20 + 16 + 30 + 12 + 30,
+                 "requeue")  # fmt: skip
     finally:
         subprocess.run(["ip", "link", "set", "vh2", "up"], check=True)
     # Requeued jobs wait a while before they start; an admin starting this one at once
@@ -312,7 +316,9 @@ def test_a_job_that_lost_a_node_ends_requeues_and_resumes_bitwise(two_nodes, tin
     release_requeues_until_done(job, tmp_path, env=two_nodes)
     log = out.read_text()
     assert "stopping: lost contact with rank 1 on node2 (not answering)" in log
-    assert "a rank or node was lost, the checkpoints are intact, requeueing job" in log
+    assert "a rank or node was lost, the checkpoints are intact, requeueing job" in log or (
+        "DUE TO NODE FAILURE" in log
+    )
     assert "dmltrain: resuming from" in log and "restart 1" in log
     assert_same_run(tiny_reference, tmp_path / "runs" / f"tiny-{job}")
 
