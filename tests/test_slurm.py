@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -243,6 +244,9 @@ def ended(job: str, within: float) -> str:
 
 def _release(job: str) -> bool:
     if job_field(job, "JobState") == "PENDING" and job_field(job, "Reason") == "BeginTime":
+        # as release_requeues_until_done: released at once, Slurm may restart the job
+        # before its last run has finished completing, and kill it
+        time.sleep(5)
         subprocess.run(["scontrol", "update", f"jobid={job}", "StartTime=now"])
     return False
 
