@@ -116,28 +116,31 @@ def choose(
         error = problem(path)
         if error is None and not evaluating:
             held, error = _hold(path, wait)
-        # a checkpoint to go on from: the directory's own, or a path given (--resume PATH)
-        resumable = resume not in ("auto", "never") or (
-            resume == "auto" and list_checkpoints(path / "checkpoints")
-        )
-        if error is None and evaluating:
-            pass
-        elif error is None and resume == "never" and list_checkpoints(path / "checkpoints"):
-            error = (
-                f"run directory {path} already holds a run with checkpoints: --resume never "
-                "starts a new run only in a new --run-dir (--resume auto goes on with this one)"
-            )
-        elif error is None and (path / "training_log.csv").exists() and not resumable:
-            error = (
-                f"run directory {path} already holds a run (training_log.csv) with no "
-                "checkpoint to resume; pass a new --run-dir to start another"
-            )
+            error = error or _taken(path, resume)
         decision = (str(path), error)
     chosen, error = broadcast(decision)
     if error:
         held.release()
         raise UserError(error)
     return Path(chosen), held
+
+
+def _taken(path: Path, resume: str) -> str | None:
+    """Why a run cannot start or go on in ``path``, which holds another, or None."""
+    checkpoints = list_checkpoints(path / "checkpoints")
+    if resume == "never" and checkpoints:
+        return (
+            f"run directory {path} already holds a run with checkpoints: --resume never "
+            "starts a new run only in a new --run-dir (--resume auto goes on with this one)"
+        )
+    # a checkpoint to go on from: the directory's own, or a path given (--resume PATH)
+    resumable = resume not in ("auto", "never") or (resume == "auto" and checkpoints)
+    if (path / "training_log.csv").exists() and not resumable:
+        return (
+            f"run directory {path} already holds a run (training_log.csv) with no "
+            "checkpoint to resume; pass a new --run-dir to start another"
+        )
+    return None
 
 
 def write_records(run_dir: Path, config_yaml: str, info: dict[str, Any]) -> str:

@@ -189,10 +189,10 @@ class Sweep:
         or moved sweep runs its trials in the copy)."""
         lines = (self.trial_dir(i) / "args").read_text().splitlines()
         here = str(self.trial_dir(i).resolve())
-        if "--run-dir" in lines[:-1]:
-            return [*lines[: lines.index("--run-dir") + 1], here,
-                    *lines[lines.index("--run-dir") + 2 :]]  # fmt: skip
-        return [*lines, "--run-dir", here]
+        if "--run-dir" not in lines[:-1]:
+            return [*lines, "--run-dir", here]
+        value = lines.index("--run-dir") + 1
+        return [*lines[:value], here, *lines[value + 1 :]]
 
     def add_job(self, job: str) -> None:
         record = self.load()

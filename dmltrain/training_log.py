@@ -56,9 +56,10 @@ class StepsLog:
         """Rows appended whole or not at all: a failed append (a full disk) is cut off
         again and said once; training goes on."""
         assert self.columns is not None
-        size = self.path.stat().st_size if mode == "a" and self.path.exists() else 0
+        size = 0
         try:
             with open(self.path, mode, newline="") as handle:
+                size = handle.tell()  # where this append starts (0 when rewritten)
                 writer = csv.DictWriter(handle, fieldnames=self.columns, extrasaction="ignore",
                                         lineterminator="\n")  # fmt: skip
                 if mode == "w":

@@ -14,6 +14,7 @@ from helpers import AT_ONCE, TINY, assert_same_run, cli_env, run_cli
 from test_checkpoint import small_disk  # noqa: F401 (a fixture)
 
 from dmltrain import rundir
+from dmltrain.launch import hostname
 
 STEPS = [*TINY, "--epochs", "1", "--checkpoint-every-steps", "4"]
 
@@ -172,16 +173,10 @@ def test_a_rank_that_fails_in_its_own_code_is_named_and_the_run_fails(tmp_path, 
                    "--run-dir", str(run), cwd=tmp_path)  # fmt: skip
     assert done.returncode == 1, done.stderr[-3000:]
     (line,) = [line for line in done.stderr.splitlines() if "[rank 0] stopping:" in line]
-    assert f"rank 1 on {cli_host()} failed: RuntimeError: a bug in {where}" in line, line
+    assert f"rank 1 on {hostname()} failed: RuntimeError: a bug in {where}" in line, line
     assert "not a lost node, so nothing is requeued" in line and line.endswith("(exit status 1)")
     assert "exit status 5" not in done.stderr
     assert json.loads((run / "outcome.json").read_text())["status"] == "failed"
-
-
-def cli_host() -> str:
-    from dmltrain.launch import hostname
-
-    return hostname()
 
 
 # Flags that were taken silently or raised from deep inside; each now stops before anything
