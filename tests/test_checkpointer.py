@@ -166,3 +166,20 @@ def test_fsdp_and_horovod_resume_on_one_process(tmp_path, reference):
     assert_same_run(reference, hvd, rel=1e-5)
     for counts in samples_per_epoch(hvd).values():
         assert counts == Counter(range(96))
+
+
+FIXTURE = Path(__file__).parent / "fixtures" / "main-cd2ef32"
+
+
+def test_a_checkpoint_of_an_earlier_version_resumes_bitwise(tmp_path):
+    """A checkpoint written by the code before the loop was opened (the fixture's README
+    says how it was made) resumes with today's code to the same weights and log, bitwise."""
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    shutil.copy(FIXTURE / "ckpt-000002-00000009.pt", run / "checkpoints")
+    done = run_cli("tiny", "--epochs", "2", "--batch-size", "8", "--save-weights", "--progress",
+                   "off", "--dropout", "0.2", "--augment", "--nprocs", "2", "--ema-decay", "0.9",
+                   "--optimizer", "adamw", "--seed", "7", "--run-dir", str(run), cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "resuming from" in done.stdout + done.stderr
+    assert_same_run(FIXTURE, run)
