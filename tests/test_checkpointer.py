@@ -177,9 +177,10 @@ def test_a_checkpoint_of_an_earlier_version_resumes_bitwise(tmp_path):
     run = tmp_path / "run"
     (run / "checkpoints").mkdir(parents=True)
     shutil.copy(FIXTURE / "ckpt-000002-00000009.pt", run / "checkpoints")
-    done = run_cli("tiny", "--epochs", "2", "--batch-size", "8", "--save-weights", "--progress",
-                   "off", "--dropout", "0.2", "--augment", "--nprocs", "2", "--ema-decay", "0.9",
-                   "--optimizer", "adamw", "--seed", "7", "--run-dir", str(run), cwd=tmp_path)  # fmt: skip
+    args = ["tiny", "--epochs", "2", "--batch-size", "8", "--save-weights", "--progress", "off",
+            "--dropout", "0.2", "--augment", "--nprocs", "2", "--ema-decay", "0.9",
+            "--optimizer", "adamw", "--seed", "7"]  # fmt: skip
+    done = run_cli(*args, "--run-dir", str(run), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "resuming from" in done.stdout + done.stderr
     assert_same_run(FIXTURE, run)
