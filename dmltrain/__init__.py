@@ -10,28 +10,33 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 _WHERE = {
     "BaseTrainer": "dmltrain.trainer",
+    "Callback": "dmltrain.callback",
     "ConfigError": "dmltrain.errors",
     "DataConfig": "dmltrain.config",
     "DistInfo": "dmltrain.launch",
     "Experiment": "dmltrain.cli",
     "LoopConfig": "dmltrain.config",
+    "Stateful": "dmltrain.callback",
     "TrainConfig": "dmltrain.config",
     "UserError": "dmltrain.errors",
     "register_experiment": "dmltrain.cli",
 }
 __all__ = [
     "BaseTrainer",
+    "Callback",
     "ConfigError",
     "DataConfig",
     "DistInfo",
     "Experiment",
     "LoopConfig",
+    "Stateful",
     "TrainConfig",
     "UserError",
     "register_experiment",
 ]
 
 if TYPE_CHECKING:
+    from dmltrain.callback import Callback, Stateful
     from dmltrain.cli import Experiment, register_experiment
     from dmltrain.config import DataConfig, LoopConfig, TrainConfig
     from dmltrain.errors import ConfigError, UserError

@@ -7,14 +7,15 @@ after a NaN). The files themselves are ``dmltrain.checkpoint``'s business.
 A checkpoint holds: model and optimizer (keyed by parameter name, ``model_state``), LR
 scheduler, precision (grad scaler), the ``TrainState`` (epoch, steps, best value, tracking
 run id, training log), and per rank the RNG states and the partial epoch's metric sums;
-also the resolved config, the world size and a format version. The data order needs
-nothing more: it is a function of seed, epoch and the steps already done.
+the callbacks' and the experiment's states (``dmltrain.callback``); also the resolved
+config, the world size and a format version. The data order needs nothing more: it is a
+function of seed, epoch and the steps already done.
 """
 
 import contextlib
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +52,27 @@ def _global_batch(train: dict[str, Any], world_size: int) -> int:
     return int(train["batch_size"]) * int(train.get("grad_accum", 1)) * world_size
 
 
+_LOADABLE = (torch.Tensor, int, float, str, bytes, bool, type(None), torch.Size)
+
+
+def _check_loadable(value: Any, where: str) -> None:
+    """A state that ``torch.load(weights_only=True)`` reads back: tensors, numbers,
+    strings and containers of them; anything else would make the checkpoint unloadable."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_loadable(key, where)
+            _check_loadable(item, f"{where}[{key!r}]")
+    elif isinstance(value, (list, tuple, set)):
+        for i, item in enumerate(value):
+            _check_loadable(item, f"{where}[{i}]")
+    elif not isinstance(value, _LOADABLE):
+        raise UserError(
+            f"the state {where} is a {type(value).__name__}, which a checkpoint cannot hold: "
+            "return tensors, numbers, strings, and lists, tuples or dicts of those from "
+            "state_dict()"
+        )
+
+
 def _dcp() -> Any:
     """torch.distributed.checkpoint.state_dict, imported when first needed (FSDP, sharded
     checkpoints): importing it takes 0.8 s and some 45 MiB."""
@@ -69,6 +91,8 @@ class Saved:
     precision: Precision
     state: TrainState
     ema: Any = None  # dmltrain.ema.EMA with --ema-decay
+    # callbacks' and the experiment's (dmltrain.callback.states), by key
+    states: Mapping[str, Any] = field(default_factory=dict)
 
 
 class Checkpointer:
@@ -151,6 +175,10 @@ class Checkpointer:
         partial = state.metrics.state_dict() if state.step_in_epoch else None
         ranks = strategy.all_gather_object({"rng": rng_state(), "metrics": partial})
         ema = None if saved.ema is None else saved.ema.state_dict()  # every rank (FSDP gathers)
+        kept = {key: item.state_dict() for key, item in saved.states.items()}  # every rank
+        if main:
+            for key, value in kept.items():
+                _check_loadable(value, key)
         meta = None
         if main:
             meta = {
@@ -161,6 +189,7 @@ class Checkpointer:
                 "rng": [r["rng"] for r in ranks],
                 "world_size": self.dist.world_size,
                 **({"ema": ema} if ema is not None else {}),
+                **({"states": kept} if kept else {}),
                 "config": self.run_config,
                 "optimizer_fresh": fresh,
             }
@@ -404,6 +433,7 @@ class Checkpointer:
             else:
                 saved.ema.restart()
         if counters:
+            self._load_states(state.get("states", {}), path)
             rank, world = self.dist.rank, self.dist.world_size
             if state["world_size"] == world:
                 saved.state.load_state_dict(state, state["epoch_metrics"][rank])
@@ -414,3 +444,18 @@ class Checkpointer:
                 saved.state.load_state_dict(state, merged)
                 seed = state["config"]["train"]["seed"]
                 seed_everything(sample_seed(seed, state["global_step"], rank) >> 1)
+
+    def _load_states(self, kept: dict[str, Any], path: Path) -> None:
+        """The callbacks' and the experiment's states; one that the checkpoint lacks starts
+        afresh, and one that this run no longer has is dropped, each said in a line."""
+        for key, item in self.saved.states.items():
+            if key in kept:
+                item.load_state_dict(kept[key])
+            elif self.dist.is_main:
+                self.say(f"dmltrain: {path} holds no state for {key!r}; it starts afresh")
+        dropped = sorted(set(kept) - set(self.saved.states))
+        if dropped and self.dist.is_main:
+            self.warn(
+                f"{path} holds state for {', '.join(dropped)}, which this run does not have "
+                "(create_callbacks, create_states): it is dropped"
+            )

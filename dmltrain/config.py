@@ -114,6 +114,13 @@ class LoopConfig:
             "(default: runs/<experiment>-<job id or time>)"
         },
     )
+    callbacks: str = field(
+        default="",
+        metadata={
+            "help": "comma-separated installed callbacks (entry-point group dmltrain.callbacks) "
+            "added after the experiment's create_callbacks()"
+        },
+    )
     log_every: int = field(default=50, metadata={"help": "report training metrics every N steps"})
     progress: Literal["auto", "bar", "log", "off"] = field(
         default="auto",
@@ -162,6 +169,10 @@ class LoopConfig:
         )
         check(self.log_every >= 1, f"--log-every must be at least 1 (got {self.log_every})")
         check(self.run_dir != "", "--run-dir must not be empty")
+
+    def callback_names(self) -> list[str]:
+        """The installed callbacks asked for (``--callbacks``), in order, without repeats."""
+        return list(dict.fromkeys(n.strip() for n in self.callbacks.split(",") if n.strip()))
 
 
 _DURATION = re.compile(r"(\d+-)?\d+(:\d+){0,2}")

@@ -98,6 +98,17 @@ class TrainerHooks(abc.ABC):
             drop_last=False,
         )
 
+    def create_callbacks(self) -> list[Any]:
+        """The run's ``dmltrain.Callback`` objects, made in every process; none by default.
+        ``--callbacks`` adds installed ones after these."""
+        return []
+
+    def create_states(self) -> Mapping[str, Any]:
+        """Objects of the experiment whose ``state_dict()`` checkpoints keep (restored with
+        ``load_state_dict`` on resume), by a key of your choosing; none by default. Called
+        once in setup, after the model, data and optimizer are made."""
+        return {}
+
     # ----- optional hooks ----------------------------------------------------------------
     def on_train_start(self) -> None:
         """Called once, after setup, before the first epoch."""
@@ -113,4 +124,5 @@ class TrainerHooks(abc.ABC):
 
     def on_after_backward(self) -> None:
         """Called after the backward pass(es) of a step, before gradients are checked,
-        clipped and applied."""
+        clipped and applied. They may still be scaled (fp16) and, under Horovod, not yet
+        summed over the ranks: a ``Callback``'s ``on_before_optimizer_step`` sees them final."""

@@ -39,6 +39,8 @@ class OptimizerStep:
     nan_checker: NanChecker | None
     on_nan: Callable[[NanEvent], NanEvent | None]  # the --on-nan action
     grad_norm: Tensor | None = None  # the last step's, before clipping (with --grad-clip)
+    # callbacks' on_before_optimizer_step, bound to the trainer: they see final gradients
+    before_update: tuple[Callable[[], None], ...] = ()
 
     def run(self, micro_batches: list[Any], epoch: int, step: int) -> NanEvent | None:
         """Forward and backward of each micro-batch, checks, clipping, the update. Returns
@@ -57,7 +59,7 @@ class OptimizerStep:
             results.append((loss.detach(), step_metrics, batch_size_of(batch)))
         self.on_after_backward()
         self.strategy.sync_gradients(self.optimizer)
-        if self.grad_clip or checker is not None:
+        if self.grad_clip or checker is not None or self.before_update:
             precision.unscale(self.optimizer)
         if checker is not None:
             losses = torch.stack([loss.float() for loss, _, _ in results])
@@ -65,6 +67,8 @@ class OptimizerStep:
             event = checker.agree(flags, epoch, step, global_step + 1)
             if event is not None:
                 return self.on_nan(event)  # the step is dropped on every rank
+        for call in self.before_update:
+            call()
         if self.grad_clip:  # the norm stays on the device until a log interval reads it
             self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         self.strategy.optimizer_step(precision.step, self.optimizer)

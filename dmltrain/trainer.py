@@ -15,6 +15,7 @@ import math
 import sys
 import time
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from dmltrain import (
+    callback,
     contract,
     data,
     diagnostics,
@@ -39,6 +41,7 @@ from dmltrain import (
 )
 from dmltrain.batches import chunks
 from dmltrain.budget import Budget, Done, total_steps
+from dmltrain.callback import Events
 from dmltrain.checkpointer import Checkpointer, Saved
 from dmltrain.config import LoopConfig, TrainConfig, as_plain, per_process_batch, to_yaml
 from dmltrain.distributed import Strategy, create_strategy, unwrap
@@ -133,6 +136,7 @@ class BaseTrainer(TrainerHooks):
         self.tracker = Tracker()  # rank 0's real one is made in setup
         self.watchdog = None  # made in setup when training
         self.profiler = None  # made in setup when asked for
+        self._events = Events()  # the callbacks' listeners, made in setup
 
     # ----- the loop ------------------------------------------------------------------------
     def warn(self, message: str) -> None:
@@ -150,6 +154,13 @@ class BaseTrainer(TrainerHooks):
         return self.state.step_in_epoch
 
     @property
+    def unwrapped_model(self) -> nn.Module:
+        """The model as ``create_model`` made it, without the DDP or ``torch.compile``
+        wrapper: its parameter names are the experiment's (under FSDP its parameters are
+        the ranks' shards)."""
+        return unwrap(self.model)
+
+    @property
     def global_step(self) -> int:
         """Optimizer steps taken, over all epochs and resumes."""
         return self.state.global_step
@@ -162,10 +173,33 @@ class BaseTrainer(TrainerHooks):
         try:
             rows = self._fit()
         except BaseException as exc:
+            self._close(exc)
             self._record_outcome(exc)
             raise
+        self._close(None)
         self._record_outcome(None)
         return rows
+
+    def _close(self, error: BaseException | None) -> None:
+        """The callbacks' ``on_close``; one that fails while the run fails already is a
+        warning, so the run's own error is the one reported."""
+        for call in self._events.on_close:
+            try:
+                call(self, error)
+            except Exception as exc:
+                if error is None:
+                    raise
+                self.warn(f"a callback's on_close failed too: {exc!r}")
+
+    def log_metrics(self, values: dict[str, Any], step: int | None = None) -> None:
+        """Scalars (numbers or one-element tensors) to the trackers, by the names given, at
+        ``step`` (default ``global_step``: the steps done; inside a step, as in
+        ``on_before_optimizer_step``, the one being taken is ``global_step + 1``). Rank 0
+        logs, other ranks do nothing. A tensor is read from the device here: log every N
+        steps, not every step, to keep the steps asynchronous."""
+        if self.dist.is_main and self.tracker.active:
+            at = self.global_step if step is None else step
+            self.tracker.log({k: float(v) for k, v in values.items()}, at)
 
     def _record_outcome(self, exc: BaseException | None) -> None:
         """Rank 0: how this job of the run ended, in RUN_DIR/outcome.json (read by
@@ -239,6 +273,7 @@ class BaseTrainer(TrainerHooks):
         before that (to go on in a later job), or None when it is done."""
         epochs, s, budget = self.config.loop.epochs, self.state, self.budget
         self.on_train_start()
+        self._fire(self._events.on_train_start)
         budget.start()
         if self.watchdog is not None:
             self.watchdog.start()
@@ -255,6 +290,7 @@ class BaseTrainer(TrainerHooks):
         while s.epoch < epochs and done is None:
             epoch, started = s.epoch, time.perf_counter()
             self.on_epoch_start(epoch)
+            self._fire(self._events.on_epoch_start)
             outcome = self._train_epoch()
             if isinstance(outcome, NanEvent):  # --on-nan rollback
                 self.checkpointer.rollback(outcome.epoch, outcome.step)
@@ -277,6 +313,7 @@ class BaseTrainer(TrainerHooks):
         if done and not before:
             self.progress.info(f"dmltrain: done: {done}")
         self.on_train_end()
+        self._fire(self._events.on_train_end)
         self.checkpointer.wait()
         return None
 
@@ -294,6 +331,7 @@ class BaseTrainer(TrainerHooks):
         steps = s.step_in_epoch + math.ceil(len(self.train_loader) / loop.grad_accum)
         last = self.budget.last_step_in_epoch(steps)  # of --max-steps, when inside the epoch
         batches = chunks(self.step_clock.batches(data.iterate(self.train_loader)), loop.grad_accum)
+        step_end = self._events.on_step_end
         self.step_clock.restart()
         for step, micro_batches in enumerate(
             self.progress.epoch(batches, epoch, loop.epochs, steps), start=s.step_in_epoch + 1
@@ -309,6 +347,8 @@ class BaseTrainer(TrainerHooks):
             if self.profiler is not None:
                 self.profiler.at(s.global_step)
             self.step_clock.step()
+            for call in step_end:
+                call(self)
             if self.progress.due(step):  # the log interval, and the epoch's last step
                 monitored = self.monitor.interval(s.global_step)  # every rank's clocks
                 shown = self.progress.step(  # rank 0's running means, read now only
@@ -368,8 +408,11 @@ class BaseTrainer(TrainerHooks):
             except NotWritten as exc:
                 self.warn(f"{exc}; training goes on and writes it again at the next epoch")
         self.progress.epoch_summary(row, partial)
+        if val:
+            self._fire(self._events.on_validation_end, row)
         if not partial:
             self.on_epoch_end(epoch, row)
+            self._fire(self._events.on_epoch_end, row)
             s.end_epoch()
             self.epochs_this_job += 1
         stop_early = self.budget.validated(row)  # counted against the best before it
@@ -384,6 +427,11 @@ class BaseTrainer(TrainerHooks):
         """No hang watch inside (validation)."""
         return self.watchdog.paused() if self.watchdog is not None else contextlib.nullcontext()
 
+    def _fire(self, listeners: tuple[Any, ...], *args: Any) -> None:
+        """An event of the callbacks (``dmltrain.callback``) that is not per step."""
+        for call in listeners:
+            call(self, *args)
+
     def _log_step(self, epoch: int, shown: dict[str, float]) -> None:
         """The step scalars at a log interval (rank 0): steps.csv and the tracker."""
         values = {**shown, "lr": self.optimizer.param_groups[0]["lr"]}
@@ -393,6 +441,7 @@ class BaseTrainer(TrainerHooks):
             values["grad_scale"] = float(self.precision.scale)
             values["skipped_steps"] = int(self.precision.skipped)
         self.steps_log.write({"step": self.global_step, "epoch": epoch, **values})
+        self._fire(self._events.on_log, values)
         if self.tracker.active:
             self.tracker.log({f"train/{k}": v for k, v in values.items()}, self.global_step)
 
@@ -522,8 +571,13 @@ class BaseTrainer(TrainerHooks):
                 self.strategy.all_reduce_sum, self.strategy.all_gather_object,
                 self.run_dir / "nan_report.txt",
             )  # fmt: skip
+        callbacks = [] if evaluating else callback.create(
+            self.create_callbacks(), loop.callback_names())  # fmt: skip
+        self._events = Events(callbacks)
+        self._fire(self._events.on_setup)
+        states = {} if evaluating else callback.states(callbacks, self.create_states())
         saved = Saved(self.model, self.optimizer, self.scheduler, self.precision, self.state,
-                      self.ema)  # fmt: skip
+                      self.ema, states)  # fmt: skip
         plain = as_plain(cfg, self.options)  # what checkpoints and records hold of the config
         restoring = cfg.checkpoint
         if evaluating:  # the named checkpoint's weights alone; this run saves nothing
@@ -550,6 +604,7 @@ class BaseTrainer(TrainerHooks):
             loop.grad_clip, checks.detect_anomaly, self.nan_checker,
             lambda event: self.nan_checker.act(  # type: ignore[union-attr]
                 event, checks.on_nan, self.progress.info, self.checkpointer.newest),
+            before_update=tuple(partial(c, self) for c in self._events.on_before_optimizer_step),
         )  # fmt: skip
         self._start_records(plain)
 

@@ -46,6 +46,7 @@ LONGEST_FIRST = (
 # cost seconds: CONTRIBUTING.md has the budget.
 QUICK = (
     "test_batches.py",
+    "test_callback.py",
     "test_config.py",
     "test_data.py",
     "test_launch.py",

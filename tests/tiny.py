@@ -1,6 +1,7 @@
 """A tiny regression experiment: the fast stand-in for MNIST in mechanics tests."""
 
 import atexit
+import json
 import os
 import random
 import shutil
@@ -16,7 +17,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils.data import Dataset, TensorDataset
 
-from dmltrain import BaseTrainer, register_experiment
+from dmltrain import BaseTrainer, Callback, register_experiment
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,13 @@ class TinyOptions:
     )
     val_samples: int = field(default=32, metadata={"help": "validation samples"})
     test_samples: int = field(default=0, metadata={"help": "test samples (0: no test set)"})
+    grad_norms_every: int = field(
+        default=0, metadata={"help": "a callback logs each layer's gradient norm every N steps"}
+    )
+    listen_all: bool = field(
+        default=False,
+        metadata={"help": "a callback on every event writes what it saw to events.RANK.json"},
+    )
     record_samples: bool = field(
         default=False,
         metadata={"help": "each rank appends 'EPOCH STEP INDEX...' of its batches to "
@@ -139,6 +147,73 @@ class Augmented(Dataset):
         return x + 0.05 * noise, y
 
 
+class GradNorms(Callback):
+    """A user's callback: each layer's gradient norm every ``every`` steps, as scalars in
+    the tracker, and a counter of what it logged that checkpoints keep."""
+
+    def __init__(self, every: int) -> None:
+        self.every, self.logged = every, 0
+
+    def on_before_optimizer_step(self, trainer):
+        step = trainer.global_step + 1  # the one being taken
+        if step % self.every == 0:
+            norms = {f"grad_norm/{name}": p.grad.norm() for name, p in
+                     trainer.unwrapped_model.named_parameters() if p.grad is not None}  # fmt: skip
+            self.logged += 1
+            trainer.log_metrics({**norms, "grad_norms_logged": self.logged}, step)
+
+    def state_dict(self):
+        return {"logged": self.logged}
+
+    def load_state_dict(self, state):
+        self.logged = state["logged"]
+
+
+class EveryEvent(Callback):
+    """Listens to every event: what it saw goes to RUN_DIR/events.RANK.json at the end."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, int] = {}
+        self.steps: list[int] = []
+
+    def _saw(self, name: str) -> None:
+        self.seen[name] = self.seen.get(name, 0) + 1
+
+    def on_setup(self, trainer):
+        self._saw("on_setup")
+
+    def on_train_start(self, trainer):
+        self._saw("on_train_start")
+
+    def on_epoch_start(self, trainer):
+        self._saw("on_epoch_start")
+
+    def on_before_optimizer_step(self, trainer):
+        self._saw("on_before_optimizer_step")
+
+    def on_step_end(self, trainer):
+        self._saw("on_step_end")
+        self.steps.append(trainer.global_step)
+
+    def on_log(self, trainer, values):
+        self._saw("on_log")
+
+    def on_validation_end(self, trainer, row):
+        self._saw("on_validation_end")
+
+    def on_epoch_end(self, trainer, row):
+        self._saw("on_epoch_end")
+
+    def on_train_end(self, trainer):
+        self._saw("on_train_end")
+
+    def on_close(self, trainer, error):
+        self._saw("on_close")
+        path = trainer.run_dir / f"events.{trainer.dist.rank}.json"
+        record = {"seen": self.seen, "steps": self.steps, "error": type(error).__name__}
+        path.write_text(json.dumps(record))
+
+
 class TinyTrainer(BaseTrainer):
     name = "tiny"
 
@@ -163,6 +238,12 @@ class TinyTrainer(BaseTrainer):
         if self.opts.dropout:
             layers.insert(2, nn.Dropout(self.opts.dropout))
         return nn.Sequential(*layers)
+
+    def create_callbacks(self):
+        made = [EveryEvent()] if self.opts.listen_all else []
+        if self.opts.grad_norms_every:
+            made.append(GradNorms(self.opts.grad_norms_every))
+        return made
 
     def create_scheduler(self, optimizer):
         if not self.opts.one_cycle:

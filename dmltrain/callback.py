@@ -1,0 +1,171 @@
+"""``Callback``: code that runs at the loop's points without subclassing the trainer, and
+the state that callbacks and the experiment keep in checkpoints.
+
+An experiment returns its callbacks from ``create_callbacks()`` (workers of ``--nprocs``
+rebuild the trainer, so callbacks are made in each process and need not pickle);
+``--callbacks NAME`` adds one installed under the entry-point group ``dmltrain.callbacks``.
+Each event passes the trainer (what a callback may read of it: the README's "Callbacks").
+
+Dispatch is worked out once per run (``Events``): each event holds the bound methods of
+the callbacks that override it, so an event nobody listens to costs an empty loop.
+
+State: a callback that defines ``state_dict()`` and ``load_state_dict(state)`` is saved in
+every checkpoint under its ``state_key`` (its class name unless set), as are the objects
+the experiment returns from ``create_states()``. Every rank calls ``state_dict`` (it may
+be a collective); rank 0's is written, and every rank loads it on resume.
+
+The bitwise promise holds with callbacks only if they draw no random numbers from the
+global generators (``torch``, ``numpy``, ``random``): use a ``torch.Generator`` of their own.
+"""
+
+from collections.abc import Callable, Iterable, Mapping
+from importlib import metadata
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+from dmltrain.errors import UserError, first_line
+
+GROUP = "dmltrain.callbacks"  # the entry-point group of installed callbacks (--callbacks)
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """What a checkpoint can hold: an object with ``state_dict`` and ``load_state_dict``."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class Callback:
+    """Override the events you need; each gets the trainer (``BaseTrainer``).
+
+    In a run's order: ``on_setup``, ``on_train_start``, then per epoch ``on_epoch_start``,
+    per step ``on_before_optimizer_step`` and ``on_step_end`` (``on_log`` at each log
+    interval), ``on_validation_end``, ``on_epoch_end``; at the end ``on_train_end``, and
+    ``on_close`` however the run ends. Every event runs on every rank except ``on_log``
+    (rank 0). A collective may be called only in an event every rank fires in step:
+    not ``on_log``.
+    """
+
+    state_key: ClassVar[str | None] = None  # its key in checkpoints (default: class name)
+
+    def on_setup(self, trainer: Any) -> None:
+        """Model, optimizer and data are made; the checkpoint is not yet restored."""
+
+    def on_train_start(self, trainer: Any) -> None:
+        """This job's training starts: after the restore, before its first epoch."""
+
+    def on_epoch_start(self, trainer: Any) -> None:
+        """Before each epoch's first step (``trainer.epoch`` is 0-based)."""
+
+    def on_before_optimizer_step(self, trainer: Any) -> None:
+        """The gradients are final: summed over the ranks, unscaled (fp16), found finite
+        (``--check-nans``), not yet clipped (``--grad-clip``)."""
+
+    def on_step_end(self, trainer: Any) -> None:
+        """After an optimizer step; ``trainer.global_step`` counts it."""
+
+    def on_log(self, trainer: Any, values: Mapping[str, float]) -> None:
+        """Rank 0, at each log interval: the step's scalars as steps.csv gets them."""
+
+    def on_validation_end(self, trainer: Any, row: Mapping[str, Any]) -> None:
+        """After a validation (at the epoch's end, and within it with --val-every-steps):
+        the training log's row, ``val_*`` included."""
+
+    def on_epoch_end(self, trainer: Any, row: Mapping[str, Any]) -> None:
+        """After each epoch, with its row of the training log."""
+
+    def on_train_end(self, trainer: Any) -> None:
+        """The run is done (not called when a job stops to be requeued)."""
+
+    def on_close(self, trainer: Any, error: BaseException | None) -> None:
+        """Always, last: ``error`` is None on success, else why the job ended
+        (``StopForRequeue`` when it will go on in a later job)."""
+
+
+EVENTS = tuple(name for name in vars(Callback) if name.startswith("on_"))
+
+
+class Events:
+    """Each event's listeners, bound once: ``for call in events.on_step_end: call(trainer)``."""
+
+    def __init__(self, callbacks: Iterable[Callback] = ()) -> None:
+        callbacks = list(callbacks)
+        listeners = {name: _listeners(callbacks, name) for name in EVENTS}
+        self.on_setup = listeners["on_setup"]
+        self.on_train_start = listeners["on_train_start"]
+        self.on_epoch_start = listeners["on_epoch_start"]
+        self.on_before_optimizer_step = listeners["on_before_optimizer_step"]
+        self.on_step_end = listeners["on_step_end"]
+        self.on_log = listeners["on_log"]
+        self.on_validation_end = listeners["on_validation_end"]
+        self.on_epoch_end = listeners["on_epoch_end"]
+        self.on_train_end = listeners["on_train_end"]
+        self.on_close = listeners["on_close"]
+
+
+def _listeners(callbacks: list[Callback], name: str) -> tuple[Callable[..., None], ...]:
+    """The bound ``name`` methods of the callbacks whose class overrides it."""
+    base = getattr(Callback, name)
+    return tuple(getattr(c, name) for c in callbacks if getattr(type(c), name, base) is not base)
+
+
+def installed() -> dict[str, metadata.EntryPoint]:
+    """The callbacks installed under the entry-point group ``dmltrain.callbacks``."""
+    return {ep.name: ep for ep in metadata.entry_points(group=GROUP)}
+
+
+def create(own: Iterable[Any], names: Iterable[str]) -> list[Callback]:
+    """The experiment's callbacks (``create_callbacks()``), then the installed ones named
+    (``--callbacks``), each checked to be a ``Callback``."""
+    made = list(own)
+    found = installed() if names else {}
+    for name in names:
+        if name not in found:
+            have = ", ".join(sorted(found)) or "none"
+            raise UserError(
+                f"--callbacks: no callback named {name!r} is installed under the entry-point "
+                f"group {GROUP} (installed: {have})"
+            )
+        try:
+            made.append(found[name].load()())
+        except Exception as exc:
+            raise UserError(
+                f"--callbacks: the callback {name!r} ({found[name].value}) could not be made: "
+                f"{first_line(exc)}"
+            ) from exc
+    for item in made:
+        if not isinstance(item, Callback):
+            raise UserError(
+                f"create_callbacks: {item!r} is not a dmltrain.Callback; subclass it and "
+                "override the events you need"
+            )
+    return made
+
+
+def states(callbacks: Iterable[Callback], own: Mapping[str, Any]) -> dict[str, Stateful]:
+    """What checkpoints keep beside the core: the callbacks that have state, under their
+    ``state_key``, and the experiment's ``create_states()``; keys must be unique."""
+    found: dict[str, Stateful] = {}
+
+    def add(key: Any, item: Any, where: str) -> None:
+        if not isinstance(key, str) or not key:
+            raise UserError(f"{where}: the key {key!r} of a state is not a non-empty string")
+        if not isinstance(item, Stateful):
+            raise UserError(
+                f"{where}: {key!r} ({type(item).__name__}) has no state_dict() and "
+                "load_state_dict(state); add both to keep it in checkpoints"
+            )
+        if key in found:
+            raise UserError(
+                f"{where}: two states are kept under {key!r}; give one of them another key "
+                "(a callback's state_key)"
+            )
+        found[key] = item
+
+    for callback in callbacks:
+        if isinstance(callback, Stateful):
+            add(callback.state_key or type(callback).__name__, callback, "create_callbacks")
+    for key, item in own.items():
+        add(key, item, "create_states")
+    return found
