@@ -18,6 +18,7 @@ _WHERE = {
     "LoopConfig": "dmltrain.config",
     "Stateful": "dmltrain.callback",
     "TrainConfig": "dmltrain.config",
+    "Tracker": "dmltrain.tracking",
     "UserError": "dmltrain.errors",
     "register_experiment": "dmltrain.cli",
 }
@@ -30,6 +31,7 @@ __all__ = [
     "Experiment",
     "LoopConfig",
     "Stateful",
+    "Tracker",
     "TrainConfig",
     "UserError",
     "register_experiment",
@@ -41,6 +43,7 @@ if TYPE_CHECKING:
     from dmltrain.config import DataConfig, LoopConfig, TrainConfig
     from dmltrain.errors import ConfigError, UserError
     from dmltrain.launch import DistInfo
+    from dmltrain.tracking import Tracker
     from dmltrain.trainer import BaseTrainer
 
 

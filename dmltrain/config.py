@@ -19,6 +19,7 @@ import signal
 import types
 import typing
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 from typing import Any, Literal
 
@@ -499,7 +500,8 @@ class TrackingConfig:
         default="wandb",
         metadata={
             "help": "comma-separated trackers: wandb (as --wandb-mode says), tensorboard "
-            "(RUN_DIR/tensorboard); '' for none"
+            "(RUN_DIR/tensorboard), or one installed (entry-point group dmltrain.trackers); "
+            "'' for none"
         },
     )
     tensorboard: bool = field(
@@ -540,10 +542,15 @@ class TrackingConfig:
         check(self.wandb_init_timeout > 0, "--wandb-init-timeout must be positive")
         check(self.straggler_factor > 1, "--straggler-factor must be above 1")
         unknown = set(self.trackers()) - {"wandb", "tensorboard"}
-        check(
-            not unknown,
-            f"--tracker: unknown {', '.join(sorted(unknown))}; choose from wandb, tensorboard",
-        )
+        if unknown:  # installed ones (entry-point group dmltrain.trackers) are looked up
+            have = {ep.name for ep in metadata.entry_points(group="dmltrain.trackers")}
+            unknown -= have
+            choose = ", ".join(["wandb", "tensorboard", *sorted(have)])
+            check(
+                not unknown,
+                f"--tracker: unknown {', '.join(sorted(unknown))}; choose from {choose} (or "
+                "install one under the entry-point group dmltrain.trackers)",
+            )
 
     def trackers(self) -> list[str]:
         """The trackers asked for, in order, without repeats."""

@@ -24,7 +24,8 @@ class TrainState:
     best_at: tuple[int, int] | None = None  # (epoch, global step) of the best validation
     bad_validations: int = 0  # in a row without improvement (--early-stop-patience)
     train_seconds: float = 0.0  # the run's training time over all its jobs, as last loaded
-    tracking_run_id: str | None = None
+    tracking_run_id: str | None = None  # the first tracker's (wandb's), as older runs kept
+    tracker_run_ids: dict[str, str] = field(default_factory=dict)  # by --tracker name
     skip_steps: set[tuple[int, int]] = field(default_factory=set)  # (epoch, step) known bad
     log_rows: list[dict[str, Any]] = field(default_factory=list)  # training_log.csv
     # resumes at another number of processes or global batch: epoch, step, global_step,
@@ -80,6 +81,7 @@ class TrainState:
             "bad_validations": self.bad_validations,
             "train_seconds": self.seconds(),
             "tracking_run_id": self.tracking_run_id,
+            "tracker_run_ids": dict(self.tracker_run_ids),
             "skip_steps": sorted(self.skip_steps),
             "training_log": list(self.log_rows),
             "world_size_changes": list(self.world_size_changes),
@@ -96,6 +98,8 @@ class TrainState:
         self.bad_validations = int(state.get("bad_validations", 0))
         self.train_seconds = float(state.get("train_seconds", 0.0))
         self.tracking_run_id = state.get("tracking_run_id")
+        older = {"wandb": self.tracking_run_id} if self.tracking_run_id else {}
+        self.tracker_run_ids = dict(state.get("tracker_run_ids", older))
         self.skip_steps |= {(int(e), int(s)) for e, s in state.get("skip_steps", [])}
         self.log_rows = list(state["training_log"])
         self.world_size_changes = list(state.get("world_size_changes", []))

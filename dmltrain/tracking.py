@@ -3,9 +3,12 @@
 
 Only rank 0 tracks; other ranks get ``Tracker()``, which does nothing. A backend is one
 subclass of ``Tracker`` (the training log, ``training_log.csv``, is written by the trainer
-whatever the tracker). Metrics are logged against ``global_step`` (a logged value that
-wandb uses as the x axis), so a resumed run continues the same curves, and a step logged
-again after a resume from an earlier checkpoint overwrites nothing.
+whatever the tracker); one installed under the entry-point group ``dmltrain.trackers`` is
+named by ``--tracker NAME``, its factory given a ``TrackerStart``, and its failures are
+reported once and end it, as the built-in ones'. Metrics are logged against
+``global_step`` (a logged value that wandb uses as the x axis), so a resumed run
+continues the same curves, and a step logged again after a resume from an earlier
+checkpoint overwrites nothing.
 
 ``--wandb-mode``: ``auto`` (default) follows ``WANDB_MODE`` when it is set and is
 ``disabled`` otherwise, so nothing is sent anywhere unless asked for. The run id is kept
@@ -22,19 +25,26 @@ run writes to the same directory and purges what the earlier job logged after th
 checkpoint's step, so the curves continue without doubled steps.
 """
 
+import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 from dmltrain.config import TrackingConfig
 from dmltrain.errors import first_line
 
+GROUP = "dmltrain.trackers"  # the entry-point group of installed trackers (--tracker NAME)
+
 
 class Tracker:
-    """Tracking that does nothing: the interface, and what ranks other than 0 use."""
+    """Tracking that does nothing: the interface a tracker implements, and what ranks
+    other than 0 use. ``run_id``: the id a later job of the run is given back (in
+    ``TrackerStart.run_id``) to continue the same run; None if it has none."""
 
     run_id: str | None = None
-    active = False
+    active = False  # False: nothing is logged (e.g. after a failure it reported)
 
     def log(self, metrics: dict[str, Any], global_step: int) -> None:
         """Metrics at ``global_step`` (training steps, validation, epoch rows)."""
@@ -123,49 +133,118 @@ class TensorBoardTracker(_Guarded):
 
 
 class Trackers(Tracker):
-    """Several trackers as one; the run id is wandb's (kept in checkpoints)."""
+    """Several trackers as one, by their ``--tracker`` names."""
 
-    def __init__(self, trackers: list[Tracker]) -> None:
+    def __init__(self, trackers: dict[str, Tracker]) -> None:
         self.trackers = trackers
-        self.run_id = next((t.run_id for t in trackers if t.run_id), None)
+        self.run_ids = {name: t.run_id for name, t in trackers.items() if t.run_id}
+        self.run_id = next(iter(self.run_ids.values()), None)
 
     @property
     def active(self) -> bool:  # type: ignore[override]
-        return any(t.active for t in self.trackers)
+        return any(t.active for t in self.trackers.values())
 
     def log(self, metrics: dict[str, Any], global_step: int) -> None:
-        for tracker in self.trackers:
+        for tracker in self.trackers.values():
             tracker.log(metrics, global_step)
 
     def summary(self, values: dict[str, Any]) -> None:
-        for tracker in self.trackers:
+        for tracker in self.trackers.values():
             tracker.summary(values)
 
     def finish(self, preempted: bool = False) -> None:
-        for tracker in self.trackers:
+        for tracker in self.trackers.values():
             tracker.finish(preempted)
+
+
+class _Installed(_Guarded):
+    """An installed tracker, guarded: its first failing call is one line and ends it."""
+
+    def __init__(self, inner: Tracker, name: str, say: Callable[[str], None]) -> None:
+        self.inner, self.say, self.run_id = inner, say, inner.run_id
+        self.failed = f"the tracker {name} failed to {{what}} ({{why}}): it is off"
+
+    def log(self, metrics: dict[str, Any], global_step: int) -> None:
+        self._safely("log", lambda: self.inner.log(metrics, global_step))
+
+    def summary(self, values: dict[str, Any]) -> None:
+        self._safely("update the summary", lambda: self.inner.summary(values))
+
+    def finish(self, preempted: bool = False) -> None:
+        self._safely("finish", lambda: self.inner.finish(preempted))
+        self.active = False
+
+
+@dataclass(frozen=True)
+class TrackerStart:
+    """What a tracker is made from, on rank 0 once a job: an installed tracker's factory
+    (entry-point group ``dmltrain.trackers``) takes this and returns a ``Tracker``."""
+
+    settings: TrackingConfig  # --wandb-mode resolved: never "auto"
+    run_dir: Path
+    run_id: str | None  # the id this tracker gave the run in an earlier job: continue it
+    global_step: int  # where the run is (0: a new run; else continue the curves from here)
+    experiment: str
+    config: dict[str, Any]  # the resolved config, plain values (as config.yaml)
+    say: Callable[[str], None]  # one line on rank 0's output (why a tracker is off)
+
+
+def _wandb(start: TrackerStart) -> Tracker:
+    return create_tracker(start.settings, start.run_dir, start.run_id, start.experiment,
+                          start.config, start.say)  # fmt: skip
+
+
+def _tensorboard(start: TrackerStart) -> Tracker:
+    return create_tensorboard(start.run_dir / "tensorboard", start.global_step, start.say)
+
+
+BUILT_IN: dict[str, Callable[[TrackerStart], Tracker]] = {
+    "wandb": _wandb,
+    "tensorboard": _tensorboard,
+}
+
+
+def installed() -> dict[str, Any]:
+    """The trackers installed under the entry-point group ``dmltrain.trackers``, by name."""
+    return {ep.name: ep for ep in metadata.entry_points(group=GROUP)}
 
 
 def create_trackers(
     settings: TrackingConfig,
     env_mode: str | None,
     run_dir: Path,
-    run_id: str | None,
+    run_ids: dict[str, str],
     global_step: int,
     experiment: str,
     config: dict[str, Any],
     say: Callable[[str], None],
-) -> Tracker:
-    """Rank 0's trackers (``--tracker``), as one."""
-    made = []
-    for name in settings.trackers():
-        if name == "wandb":
-            made.append(
-                create_tracker(settings, env_mode, run_dir, run_id, experiment, config, say)
-            )
-        else:
-            made.append(create_tensorboard(run_dir / "tensorboard", global_step, say))
-    return Trackers(made) if made else Tracker()
+) -> Trackers:
+    """Rank 0's trackers (``--tracker``), as one; ``run_ids``: each one's id of the run
+    from an earlier job (kept in checkpoints)."""
+    mode: str = settings.wandb_mode
+    if mode == "auto":
+        mode = env_mode if env_mode in ("disabled", "offline", "online") else "disabled"
+    settings = dataclasses.replace(settings, wandb_mode=mode)  # type: ignore[arg-type]
+    names = settings.trackers()
+    found = installed() if set(names) - set(BUILT_IN) else {}
+    made: dict[str, Tracker] = {}
+    for name in names:
+        start = TrackerStart(settings, run_dir, run_ids.get(name), global_step, experiment,
+                             config, say)  # fmt: skip
+        if name in BUILT_IN:
+            made[name] = BUILT_IN[name](start)
+            continue
+        try:
+            tracker = found[name].load()(start)
+        except Exception as exc:
+            say(f"dmltrain: the tracker {name} could not start ({first_line(exc)}): it is off")
+            continue
+        if not isinstance(tracker, Tracker):
+            say(f"dmltrain: the tracker {name} made a {type(tracker).__name__}, not a "
+                "dmltrain.Tracker: it is off")  # fmt: skip
+            continue
+        made[name] = _Installed(tracker, name, say)
+    return Trackers(made)
 
 
 def create_tensorboard(directory: Path, global_step: int, say: Callable[[str], None]) -> Tracker:
@@ -187,17 +266,15 @@ def create_tensorboard(directory: Path, global_step: int, say: Callable[[str], N
 
 def create_tracker(
     settings: TrackingConfig,
-    env_mode: str | None,
     run_dir: Path,
     run_id: str | None,
     experiment: str,
     config: dict[str, Any],
     say: Callable[[str], None],
 ) -> Tracker:
-    """The tracker of rank 0; ``say`` prints the one line that explains a fallback."""
+    """wandb's tracker (``--wandb-mode`` resolved); ``say`` prints the one line that
+    explains a fallback."""
     mode: str = settings.wandb_mode
-    if mode == "auto":
-        mode = env_mode if env_mode in ("disabled", "offline", "online") else "disabled"
     if mode == "disabled":
         return Tracker()
     try:

@@ -668,10 +668,11 @@ class BaseTrainer(TrainerHooks):
             self.steps_log = StepsLog(self.run_dir / "steps.csv", self.state.global_step, self.warn)
             self.tracker = create_trackers(
                 self.config.tracking, self.environment.wandb_mode, self.run_dir,
-                self.state.tracking_run_id, self.state.global_step, self.name, plain,
+                self.state.tracker_run_ids, self.state.global_step, self.name, plain,
                 self.progress.info,
             )  # fmt: skip
             self.state.tracking_run_id = self.tracker.run_id
+            self.state.tracker_run_ids = self.tracker.run_ids
             minutes = self.config.preemption.stop_before_end_minutes  # rank 0 asks Slurm, once
             deadline = preemption.stop_deadline(self.dist.job_id, minutes, self.warn)
         self.watcher.deadline = self.strategy.broadcast_object(deadline)

@@ -1,12 +1,14 @@
 """Weights & Biases tracking with the real wandb in offline mode; the .wandb files are read
 back record by record (tests/wandb_records.py) instead of mocking wandb."""
 
+import json
 import os
 import time
 
 import pytest
 from helpers import AT_ONCE, cli_env, run_cli
 
+from dmltrain.checkpoint import load_file
 from wandb_records import read_run, runs_in
 
 TINY = ["tiny", "--epochs", "2", "--batch-size", "8", "--progress", "off", "--log-every", "3"]
@@ -173,5 +175,37 @@ def test_tensorboard_alone_and_a_bad_tracker_name(tmp_path):
     bad = train(tmp_path, tmp_path / "bad", "--tracker", "wandb,mlflow")
     assert bad.returncode == 2
     assert bad.stderr.strip() == (
-        "dmltrain: error: --tracker: unknown mlflow; choose from wandb, tensorboard"
+        "dmltrain: error: --tracker: unknown mlflow; choose from wandb, tensorboard, failing, "
+        "jsonl (or install one under the entry-point group dmltrain.trackers)"
     )
+
+
+def test_an_installed_tracker_is_named_and_continues_its_run_after_a_requeue(tmp_path):
+    """``--tracker jsonl``, installed by entry point (tests/tiny.py's JsonlTracker), on 2
+    processes beside wandb: preempted at step 8, resumed; rank 0 alone tracks, the same
+    run id both jobs, each step's scalars once (2 epochs of 12 steps, a log line every
+    3); both trackers' run ids are kept in the checkpoint."""
+    run = tmp_path / "run"
+    args = ["--nprocs", "2", "--batch-size", "4", "--tracker", "jsonl,wandb"]
+    first = train(tmp_path, run, *args, "--signal-rank", "1", "--signal-at-step", "8",
+                  *AT_ONCE, WANDB_MODE="offline")  # fmt: skip
+    assert first.returncode == 3, first.stderr[-2000:]
+    second = train(tmp_path, run, *args, WANDB_MODE="offline")
+    assert second.returncode == 0, second.stderr[-2000:]
+    records = [json.loads(line) for line in (run / "tracked.jsonl").read_text().splitlines()]
+    starts = [r for r in records if "start" in r]
+    assert [(r["step"], r["lr"]) for r in starts] == [(0, 1e-3), (9, 1e-3)]
+    assert starts[0]["start"] == starts[1]["start"]  # one run over both jobs
+    assert [r["preempted"] for r in records if "finish" in r] == [True, False]
+    steps = [r["step"] for r in records if "train/loss" in r]
+    assert steps == list(range(3, 25, 3))  # 12 steps an epoch; no step twice
+    assert [r["step"] for r in records if "val_loss" in r] == [12, 24]
+    kept = load_file(run / "checkpoints" / "latest.pt")["tracker_run_ids"]
+    assert sorted(kept) == ["jsonl", "wandb"] and kept["jsonl"] == starts[0]["start"]
+
+
+def test_a_failing_installed_tracker_is_one_line_and_training_goes_on(tmp_path):
+    done = train(tmp_path, tmp_path / "run", "--tracker", "failing")
+    assert done.returncode == 0, done.stderr[-2000:]
+    said = "the tracker failing failed to log (the tracking server went away): it is off"
+    assert (done.stdout + done.stderr).count(said) == 1

@@ -17,7 +17,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils.data import Dataset, TensorDataset
 
-from dmltrain import BaseTrainer, Callback, register_experiment
+from dmltrain import BaseTrainer, Callback, Tracker, register_experiment
+from dmltrain.tracking import TrackerStart
 
 
 @dataclass(frozen=True)
@@ -212,6 +213,41 @@ class EveryEvent(Callback):
         path = trainer.run_dir / f"events.{trainer.dist.rank}.json"
         record = {"seen": self.seen, "steps": self.steps, "error": type(error).__name__}
         path.write_text(json.dumps(record))
+
+
+class JsonlTracker(Tracker):
+    """An installed tracker (entry point ``jsonl``): RUN_DIR/tracked.jsonl, a line a call,
+    under a run id it makes once and is given back in later jobs."""
+
+    active = True
+
+    def __init__(self, start: TrackerStart) -> None:
+        self.run_id = start.run_id or f"run-{os.getpid()}"
+        self.path = start.run_dir / "tracked.jsonl"
+        self._write({"start": self.run_id, "step": start.global_step,
+                     "lr": start.config["train"]["lr"]})  # fmt: skip
+
+    def _write(self, record) -> None:
+        with open(self.path, "a") as out:
+            out.write(json.dumps(record) + "\n")
+
+    def log(self, metrics, global_step):
+        self._write({"step": global_step, **metrics})
+
+    def finish(self, preempted=False):
+        self._write({"finish": self.run_id, "preempted": preempted})
+
+
+class FailingTracker(Tracker):
+    """An installed tracker (entry point ``failing``) whose every log fails."""
+
+    active = True
+
+    def __init__(self, start: TrackerStart) -> None:
+        pass
+
+    def log(self, metrics, global_step):
+        raise ConnectionError("the tracking server went away")
 
 
 class TinyTrainer(BaseTrainer):
