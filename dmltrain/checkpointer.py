@@ -38,8 +38,8 @@ from dmltrain.errors import UserError
 from dmltrain.metrics import merge_states
 from dmltrain.model_state import (
     check_model_fits,
-    load_optimizer_state_by_name,
-    optimizer_state_by_name,
+    load_optimizers_state_by_name,
+    optimizers_state_by_name,
     shapes_of,
 )
 from dmltrain.precision import Precision
@@ -73,6 +73,34 @@ def _check_loadable(value: Any, where: str) -> None:
         )
 
 
+def _dcp_optim(saved: "Saved") -> Any:
+    """The optimizer, or several, as torch.distributed.checkpoint takes them."""
+    return saved.optimizers[0] if len(saved.optimizers) == 1 else saved.optimizers
+
+
+def _schedulers_state(schedulers: tuple[Any, ...]) -> Any:
+    """A checkpoint's "scheduler": None, one scheduler's state, or a list of them."""
+    if not schedulers:
+        return None
+    if len(schedulers) == 1:
+        return schedulers[0].state_dict()
+    return [scheduler.state_dict() for scheduler in schedulers]
+
+
+def _load_schedulers(schedulers: tuple[Any, ...], saved: Any, path: Path) -> None:
+    """The inverse of ``_schedulers_state`` (a checkpoint's schedulers into these)."""
+    states = saved if isinstance(saved, list) else [saved]
+    if len(states) != len(schedulers):
+        if not schedulers:
+            return  # as before: a run without a scheduler ignores a saved one
+        raise UserError(
+            f"{path} holds {len(states)} LR scheduler state(s) but this run has "
+            f"{len(schedulers)}; use --load-weights without --load-scheduler"
+        )
+    for scheduler, state in zip(schedulers, states, strict=True):
+        scheduler.load_state_dict(state)
+
+
 def _dcp() -> Any:
     """torch.distributed.checkpoint.state_dict, imported when first needed (FSDP, sharded
     checkpoints): importing it takes 0.8 s and some 45 MiB."""
@@ -86,8 +114,8 @@ class Saved:
     """The stateful objects a checkpoint holds (besides every rank's RNG states)."""
 
     model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: Any  # an LR scheduler or None
+    optimizers: tuple[Any, ...]  # create_optimizer's, wrapped by the strategy
+    schedulers: tuple[Any, ...]  # create_scheduler's, none or one for each optimizer
     precision: Precision
     state: TrainState
     ema: Any = None  # dmltrain.ema.EMA with --ema-decay
@@ -171,7 +199,7 @@ class Checkpointer:
                 self.warn(f"{exc}; training goes on")
         # An optimizer that has not stepped yet has no state; get_state_dict creates it with
         # a zero step (Adam's step count moves), which is undone after the save.
-        fresh = not saved.optimizer.state
+        fresh = not any(optimizer.state for optimizer in saved.optimizers)
         partial = state.metrics.state_dict() if state.step_in_epoch else None
         ranks = strategy.all_gather_object({"rng": rng_state(), "metrics": partial})
         ema = None if saved.ema is None else saved.ema.state_dict()  # every rank (FSDP gathers)
@@ -182,7 +210,7 @@ class Checkpointer:
         meta = None
         if main:
             meta = {
-                "scheduler": None if saved.scheduler is None else saved.scheduler.state_dict(),
+                "scheduler": _schedulers_state(saved.schedulers),
                 "scaler": saved.precision.state_dict(),
                 **state.state_dict(),
                 "epoch_metrics": [r["metrics"] for r in ranks],
@@ -196,19 +224,19 @@ class Checkpointer:
         epoch = state.epoch + (state.step_in_epoch > 0)
         failed = None
         if self.sharded:
-            model_state, optim_state = _dcp().get_state_dict(saved.model, saved.optimizer)
+            model_state, optim_state = _dcp().get_state_dict(saved.model, _dcp_optim(saved))
             shards = {"model": model_state, "optimizer": optim_state}
             self.files.save_sharded(shards, meta, epoch, state.global_step, best, strategy.barrier)
         else:
             if strategy.name == "fsdp":
                 options = _dcp().StateDictOptions(full_state_dict=True, cpu_offload=True)
                 model_state, optim_state = _dcp().get_state_dict(
-                    saved.model, saved.optimizer, options=options
+                    saved.model, _dcp_optim(saved), options=options
                 )
             elif main:  # the same format, without torch.distributed.checkpoint
                 model = unwrap(saved.model)
                 model_state = model.state_dict()
-                optim_state = optimizer_state_by_name(model, saved.optimizer)
+                optim_state = optimizers_state_by_name(model, saved.optimizers)
             if meta is not None:
                 full = {"model": model_state, "optimizer": optim_state, **meta}
                 try:
@@ -217,7 +245,8 @@ class Checkpointer:
                     failed = str(exc)
             failed = strategy.broadcast_object(failed)  # also: every rank waits for rank 0
         if fresh:
-            saved.optimizer.state.clear()
+            for optimizer in saved.optimizers:
+                optimizer.state.clear()
         self.last_save = time.monotonic()
         if failed is not None:
             if must:
@@ -389,12 +418,13 @@ class Checkpointer:
         saved, dcp = self.saved, _dcp
         # loading may take a zero step (see save); set_to_none is the default, and Horovod's
         # optimizer takes no arguments
-        saved.optimizer.zero_grad()
+        for each in saved.optimizers:
+            each.zero_grad()
         model = unwrap(saved.model)
         own = shapes_of(model.state_dict())
         if state.get("sharded"):
             check_model_fits(own, sharded_shapes(path), path)
-            model_state, optim_state = dcp().get_state_dict(saved.model, saved.optimizer)
+            model_state, optim_state = dcp().get_state_dict(saved.model, _dcp_optim(saved))
             shards: dict[str, Any] = {"model": model_state}
             if optimizer:
                 shards["optimizer"] = optim_state
@@ -402,7 +432,7 @@ class Checkpointer:
             if optimizer:
                 dcp().set_state_dict(
                     saved.model,
-                    saved.optimizer,
+                    _dcp_optim(saved),
                     model_state_dict=shards["model"],
                     optim_state_dict=shards["optimizer"],
                 )
@@ -412,19 +442,20 @@ class Checkpointer:
             check_model_fits(own, shapes_of(state["model"]), path)
             model.load_state_dict(state["model"])
             if optimizer:
-                load_optimizer_state_by_name(model, saved.optimizer, state["optimizer"], path)
+                load_optimizers_state_by_name(model, saved.optimizers, state["optimizer"], path)
         else:
             check_model_fits(own, shapes_of(state["model"]), path)
             options = dcp().StateDictOptions(full_state_dict=True, strict=True)
             dcp().set_model_state_dict(saved.model, state["model"], options=options)
             if optimizer:
                 dcp().set_optimizer_state_dict(
-                    saved.model, saved.optimizer, state["optimizer"], options=options
+                    saved.model, _dcp_optim(saved), state["optimizer"], options=options
                 )
         if optimizer and state.get("optimizer_fresh"):
-            saved.optimizer.state.clear()  # saved before its first step: keep it fresh
-        if scheduler and saved.scheduler is not None and state["scheduler"] is not None:
-            saved.scheduler.load_state_dict(state["scheduler"])
+            for each in saved.optimizers:  # saved before its first step: keep it fresh
+                each.state.clear()
+        if scheduler and state["scheduler"] is not None:
+            _load_schedulers(saved.schedulers, state["scheduler"], path)
         if scaler:
             saved.precision.load_state_dict(state.get("scaler"))
         if saved.ema is not None:  # the checkpoint's average, or these weights as the start

@@ -6,6 +6,7 @@ contract holds: they run only once torch has raised."""
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from dmltrain.errors import UserError
@@ -34,6 +35,26 @@ def model(module: Any) -> None:
             f"create_model returned a {type(module).__name__} with no trainable parameters; "
             "give it layers with parameters (or unfreeze them)"
         )
+
+
+def several(result: Any, method: str) -> tuple[Any, ...]:
+    """``create_optimizer()``'s or ``create_scheduler()``'s one object or list of them."""
+    items = tuple(result) if isinstance(result, tuple | list) else (result,)
+    if not items:
+        raise UserError(f"{method} returned an empty {type(result).__name__}; return one or more")
+    for item in items:
+        ok = isinstance(item, torch.optim.Optimizer) or hasattr(item, "synchronize")  # Horovod
+        if method == "create_scheduler":
+            ok = callable(getattr(item, "step", None)) and callable(
+                getattr(item, "state_dict", None)
+            )
+        if not ok:
+            what = "a torch.optim.Optimizer" if method == "create_optimizer" else "an LR scheduler"
+            raise UserError(
+                f"{method} must return {what} or a list of them; it returned a "
+                f"{type(item).__name__}"
+            )
+    return items
 
 
 def loss(output: Any, exc: BaseException) -> UserError | None:

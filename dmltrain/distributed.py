@@ -65,13 +65,22 @@ class Strategy:
         return None
 
     def wrap_model(
-        self, model: nn.Module, units: list[nn.Module], param_dtype: torch.dtype | None = None
+        self,
+        model: nn.Module,
+        units: list[nn.Module],
+        param_dtype: torch.dtype | None = None,
+        manual: bool = False,
     ) -> nn.Module:
-        """The model to train; ``param_dtype`` is the compute dtype of mixed precision."""
+        """The model to train; ``param_dtype`` is the compute dtype of mixed precision.
+        ``manual``: the experiment's step updates it itself (``average_gradients``)."""
         return model
 
     def wrap_optimizer(
-        self, optimizer: torch.optim.Optimizer, model: nn.Module, grad_accum: int = 1
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: nn.Module,
+        grad_accum: int = 1,
+        manual: bool = False,
     ) -> Any:
         return optimizer
 
@@ -81,6 +90,10 @@ class Strategy:
 
     def sync_gradients(self, optimizer: Any) -> None:
         """Make gradients final (reduced) before they are unscaled, checked or clipped."""
+
+    def average_gradients(self, params: list[Tensor]) -> None:
+        """A manual step: these parameters' gradients averaged over the ranks (one
+        collective), whichever modules the step ran them through."""
 
     def optimizer_step(self, step: Callable[[Any], None], optimizer: Any) -> None:
         """``step(optimizer)``: the update, after ``sync_gradients``."""
@@ -187,12 +200,32 @@ class DDPStrategy(Strategy):
         return self.info
 
     def wrap_model(
-        self, model: nn.Module, units: list[nn.Module], param_dtype: torch.dtype | None = None
+        self,
+        model: nn.Module,
+        units: list[nn.Module],
+        param_dtype: torch.dtype | None = None,
+        manual: bool = False,
     ) -> nn.Module:
+        if manual:  # no DDP hooks: a submodule called on its own still has its gradients
+            for tensor in [*model.parameters(), *model.buffers()]:  # averaged in the step
+                dist.broadcast(tensor.data, src=0)
+            return model
         device_ids = (
             [torch.device(self.info.device)] if self.info.device.startswith("cuda") else None
         )
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+
+    def average_gradients(self, params: list[Tensor]) -> None:
+        if not params:
+            return
+        grads = [p.grad for p in params if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        flat /= self.info.world_size
+        offset = 0
+        for grad in grads:
+            grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
+            offset += grad.numel()
 
     def eval_model(self, model: nn.Module) -> nn.Module:
         return unwrap(model)  # DDP's forward would take part in collectives
@@ -241,7 +274,11 @@ class FSDPStrategy(DDPStrategy):
     name = "fsdp"
 
     def wrap_model(
-        self, model: nn.Module, units: list[nn.Module], param_dtype: torch.dtype | None = None
+        self,
+        model: nn.Module,
+        units: list[nn.Module],
+        param_dtype: torch.dtype | None = None,
+        manual: bool = False,
     ) -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -256,6 +293,9 @@ class FSDPStrategy(DDPStrategy):
     def eval_model(self, model: nn.Module) -> nn.Module:
         # FSDP's forward gathers parameters: every rank must run it
         return unwrap(model)
+
+    def average_gradients(self, params: list[Tensor]) -> None:
+        """Averaged already: each FSDP unit reduce-scatters its gradients in the backward."""
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
@@ -301,14 +341,31 @@ class HorovodStrategy(Strategy):
         return self.info
 
     def wrap_model(
-        self, model: nn.Module, units: list[nn.Module], param_dtype: torch.dtype | None = None
+        self,
+        model: nn.Module,
+        units: list[nn.Module],
+        param_dtype: torch.dtype | None = None,
+        manual: bool = False,
     ) -> nn.Module:
         self.hvd.broadcast_parameters(model.state_dict(), root_rank=0)
         return model
 
+    def average_gradients(self, params: list[Tensor]) -> None:
+        grads = [p.grad for p in params if p.grad is not None]
+        if grads:
+            reduced = self.hvd.grouped_allreduce(grads, op=self.hvd.Average)
+            for grad, mean in zip(grads, reduced, strict=True):
+                grad.copy_(mean)
+
     def wrap_optimizer(
-        self, optimizer: torch.optim.Optimizer, model: nn.Module, grad_accum: int = 1
+        self,
+        optimizer: torch.optim.Optimizer,
+        model: nn.Module,
+        grad_accum: int = 1,
+        manual: bool = False,
     ) -> Any:
+        if manual:  # the step averages each optimizer's gradients (average_gradients)
+            return optimizer
         # Horovod reduces in the backward hooks once every ``grad_accum`` backward passes;
         # ``synchronize`` also finishes a shorter last accumulation of an epoch.
         wrapped = self.hvd.DistributedOptimizer(

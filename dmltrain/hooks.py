@@ -22,6 +22,9 @@ class TrainerHooks(abc.ABC):
     """The experiment's side of ``BaseTrainer``."""
 
     scheduler_interval = "epoch"  # or "step": when the LR scheduler steps
+    # True: train_step makes its own updates with self.backward(loss) and
+    # self.optimizer_step(optimizer) (several models and optimizers, e.g. a GAN)
+    manual_optimization = False
     config: TrainConfig
     strategy: Strategy
     device: torch.device
@@ -39,7 +42,9 @@ class TrainerHooks(abc.ABC):
     def train_step(self, batch: Any) -> StepOutput:
         """The loss of one batch (already on the device), optionally with a dict of metrics."""
 
-    def create_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+    def create_optimizer(self, model: nn.Module) -> Any:
+        """The optimizer, or a list of several (each over its own parameters); by default
+        --optimizer over all the model's parameters."""
         cfg = self.config
         params = model.parameters()
         if cfg.optimizer == "sgd":
@@ -47,8 +52,9 @@ class TrainerHooks(abc.ABC):
         optimizer_cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
         return optimizer_cls(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
-    def create_scheduler(self, optimizer: torch.optim.Optimizer) -> Any:
-        """An LR scheduler stepped every epoch (or step, see ``scheduler_interval``); None."""
+    def create_scheduler(self, optimizer: Any) -> Any:
+        """An LR scheduler stepped every epoch (or step, see ``scheduler_interval``), or a
+        list of several; None. With several optimizers, ``optimizer`` is their tuple."""
         return None
 
     def val_step(self, batch: Any) -> Mapping[str, Tensor | float]:

@@ -7,6 +7,7 @@ model with ``load_state_dict(strict=True)``, and into every other strategy.
 """
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -87,3 +88,38 @@ def load_optimizer_state_by_name(
             f"the optimizer state in {path} does not fit this model and optimizer "
             f"({first_line(exc)}); use --load-weights without --load-optimizer"
         ) from None
+
+
+def optimizers_state_by_name(model: torch.nn.Module, optimizers: tuple[Any, ...]) -> dict:
+    """``optimizer_state_by_name`` of several optimizers as one, as torch.distributed.checkpoint
+    writes them: the states by parameter name, the param groups one optimizer's after the
+    other's."""
+    if len(optimizers) == 1:
+        return optimizer_state_by_name(model, optimizers[0])
+    parts = [optimizer_state_by_name(model, optimizer) for optimizer in optimizers]
+    return {
+        "state": {k: v for part in parts for k, v in part["state"].items()},
+        "param_groups": [group for part in parts for group in part["param_groups"]],
+    }
+
+
+def load_optimizers_state_by_name(
+    model: torch.nn.Module, optimizers: tuple[Any, ...], saved: dict, path: Path
+) -> None:
+    """The inverse of ``optimizers_state_by_name``: each optimizer takes as many param
+    groups as it has, in order, and the states of their parameters."""
+    if len(optimizers) == 1:
+        load_optimizer_state_by_name(model, optimizers[0], saved, path)
+        return
+    groups = list(saved["param_groups"])
+    if len(groups) != sum(len(o.param_groups) for o in optimizers):
+        raise UserError(
+            f"the optimizer state in {path} has {len(groups)} param groups, but this run's "
+            f"{len(optimizers)} optimizers have {sum(len(o.param_groups) for o in optimizers)}; "
+            "use --load-weights without --load-optimizer"
+        )
+    for optimizer in optimizers:
+        mine, groups = groups[: len(optimizer.param_groups)], groups[len(optimizer.param_groups) :]
+        names = {name for group in mine for name in group["params"]}
+        state = {k: v for k, v in saved["state"].items() if k in names}
+        load_optimizer_state_by_name(model, optimizer, {"state": state, "param_groups": mine}, path)

@@ -78,11 +78,25 @@ class Precision:
         if self.scaler is None:
             optimizer.step()
             return
+        self.apply(optimizer)
+        self.update()
+
+    def apply(self, optimizer: torch.optim.Optimizer) -> None:
+        """One optimizer's update of a step that may have several (``update`` once after
+        them all); with a scaler, skipped if its gradients overflowed."""
+        if self.scaler is None:
+            optimizer.step()
+        else:
+            self.scaler.step(optimizer)
+
+    def update(self) -> None:
+        """After a step's updates: the scaler's new scale; a step it skipped is counted."""
+        if self.scaler is None:
+            return
         # GradScaler keeps its scale as a device tensor; comparing it before and after the
         # update tells an overflow step without a host sync. Private: its public
         # get_scale() returns a float, a host sync every step.
         before = self.scaler._scale.clone()  # type: ignore[union-attr]
-        self.scaler.step(optimizer)
         self.scaler.update()
         self.skipped += self.scaler._scale < before  # type: ignore[operator]
 

@@ -16,6 +16,7 @@ from torch import Tensor, nn
 from dmltrain import contract
 from dmltrain.batches import batch_size_of, split_step_output, to_device
 from dmltrain.distributed import Strategy
+from dmltrain.errors import UserError
 from dmltrain.nan import NanChecker, NanEvent
 from dmltrain.precision import Precision
 from dmltrain.state import TrainState
@@ -28,8 +29,8 @@ class OptimizerStep:
     train_step: Callable[[Any], Any]  # the experiment's: batch -> loss (, metrics)
     on_after_backward: Callable[[], None]
     model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: Any  # stepped after every update; None when it steps per epoch
+    optimizers: tuple[Any, ...]  # each steps on the one loss (create_optimizer)
+    schedulers: tuple[Any, ...]  # stepped after every update; () when they step per epoch
     precision: Precision
     strategy: Strategy
     state: TrainState  # its metrics take the step's loss and metrics
@@ -46,7 +47,9 @@ class OptimizerStep:
         """Forward and backward of each micro-batch, checks, clipping, the update. Returns
         the non-finite step to roll back from (``--on-nan rollback``), else None."""
         precision, checker, global_step = self.precision, self.nan_checker, self.state.global_step
-        self.optimizer.zero_grad()  # set_to_none is the default
+        optimizers = self.optimizers
+        for optimizer in optimizers:
+            optimizer.zero_grad()  # set_to_none is the default
         results = []
         last = len(micro_batches) - 1
         for i, batch in enumerate(micro_batches):
@@ -58,9 +61,10 @@ class OptimizerStep:
                     loss, step_metrics = self._forward_backward(batch, last + 1)
             results.append((loss.detach(), step_metrics, batch_size_of(batch)))
         self.on_after_backward()
-        self.strategy.sync_gradients(self.optimizer)
-        if self.grad_clip or checker is not None or self.before_update:
-            precision.unscale(self.optimizer)
+        for optimizer in optimizers:
+            self.strategy.sync_gradients(optimizer)
+            if self.grad_clip or checker is not None or self.before_update:
+                precision.unscale(optimizer)
         if checker is not None:
             losses = torch.stack([loss.float() for loss, _, _ in results])
             flags = checker.flags(losses, gradients=precision.scaler is None, parameters=False)
@@ -71,14 +75,19 @@ class OptimizerStep:
             call()
         if self.grad_clip:  # the norm stays on the device until a log interval reads it
             self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-        self.strategy.optimizer_step(precision.step, self.optimizer)
+        if len(optimizers) == 1:
+            self.strategy.optimizer_step(precision.step, optimizers[0])
+        else:
+            for optimizer in optimizers:
+                self.strategy.optimizer_step(precision.apply, optimizer)
+            precision.update()
         if checker is not None:
             flags = checker.flags(None, gradients=False, parameters=True)
             event = checker.agree(flags, epoch, step, global_step + 1)
             if event is not None:
                 return self.on_nan(event)  # an update cannot be dropped: raise or roll back
-        if self.scheduler is not None:
-            self.scheduler.step()
+        for scheduler in self.schedulers:
+            scheduler.step()
         metrics = self.state.metrics
         for loss, step_metrics, n in results:
             metrics.update({"loss": loss, **step_metrics}, n)
@@ -108,3 +117,142 @@ class OptimizerStep:
         if self.detect_anomaly:
             stack.enter_context(torch.autograd.detect_anomaly())
         return stack
+
+
+class _Dropped(Exception):
+    """A manual step's update found gradients not finite and ``--on-nan rollback`` undoes
+    the step: out of the experiment's ``train_step`` to the loop."""
+
+    def __init__(self, event: NanEvent) -> None:
+        super().__init__(str(event))
+        self.event = event
+
+
+@dataclass
+class ManualStep:
+    """A step whose ``train_step`` makes its own updates (``manual_optimization``) through
+    ``backward`` and ``optimizer_step``, with what the automatic step gives: autocast and
+    one fp16 scaler for every optimizer, gradient accumulation (updates at the last
+    micro-batch, no gradient sync before it), gradients averaged over the ranks for each
+    optimizer's parameters whichever modules the step called, NaN agreement, clipping."""
+
+    train_step: Callable[[Any], Any]  # the experiment's: batch -> loss (, metrics) to log
+    model: nn.Module
+    optimizers: tuple[Any, ...]
+    schedulers: tuple[Any, ...]  # stepped after every step; () when they step per epoch
+    precision: Precision
+    strategy: Strategy
+    state: TrainState
+    device: torch.device
+    grad_clip: float
+    detect_anomaly: bool
+    nan_checker: NanChecker | None
+    on_nan: Callable[[NanEvent], NanEvent | None]
+    before_update: tuple[Callable[[], None], ...] = ()
+    grad_norm: Tensor | None = None  # the last update's, before clipping (with --grad-clip)
+    _micro_batches: int = 0  # of the step in progress (0: no step in progress)
+    _last: bool = False  # whether the micro-batch in progress is its last
+    _where: tuple[int, int] = (0, 0)  # (epoch, step) in progress
+
+    def run(self, micro_batches: list[Any], epoch: int, step: int) -> NanEvent | None:
+        for optimizer in self.optimizers:
+            optimizer.zero_grad()
+        self._micro_batches, self._where = len(micro_batches), (epoch, step)
+        results = []
+        try:
+            for i, batch in enumerate(micro_batches):
+                self._last = i == len(micro_batches) - 1
+                batch = to_device(batch, self.device)
+                with contextlib.ExitStack() as stack:
+                    if self.detect_anomaly:
+                        stack.enter_context(torch.autograd.detect_anomaly())
+                    output = self.precision.forward(self.train_step, batch)
+                loss, step_metrics = split_step_output(output)
+                results.append((loss.detach(), step_metrics, batch_size_of(batch)))
+        except _Dropped as dropped:
+            return dropped.event
+        finally:
+            self._micro_batches = 0
+        self.precision.update()
+        checker = self.nan_checker
+        if checker is not None:
+            flags = checker.flags(None, gradients=False, parameters=True)
+            event = checker.agree(flags, epoch, step, self.state.global_step + 1)
+            if event is not None:
+                return self.on_nan(event)  # updates cannot be dropped: raise or roll back
+        for scheduler in self.schedulers:
+            scheduler.step()
+        metrics = self.state.metrics
+        for loss, step_metrics, n in results:
+            metrics.update({"loss": loss, **step_metrics}, n)
+        return None
+
+    def backward(self, loss: Tensor, optimizer: Any = None) -> None:
+        """``loss``'s gradients, scaled (fp16) and divided among the micro-batches of an
+        accumulation; no gradient sync before its last micro-batch. With ``optimizer``,
+        only its parameters keep what this adds (the generator's loss leaves the
+        discriminator's gradients as they were)."""
+        n = self._check("backward")
+        loss = loss / n if n > 1 else loss
+        kept = None
+        if optimizer is not None:
+            kept = [
+                (p, None if p.grad is None else p.grad.clone()) for p in self._others(optimizer)
+            ]
+        try:
+            if self._last:
+                self.precision.backward(loss)
+            else:
+                with self.strategy.no_sync(self.model):
+                    self.precision.backward(loss)
+        except (AttributeError, RuntimeError, TypeError) as exc:
+            bad = contract.loss(loss, exc)
+            if bad is None:
+                raise
+            raise bad from None
+        for param, grad in kept or ():
+            param.grad = grad
+
+    def _others(self, optimizer: Any) -> list[Tensor]:
+        """The model's parameters that ``optimizer`` does not update."""
+        own = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        return [p for p in self.model.parameters() if id(p) not in own]
+
+    def optimizer_step(self, optimizer: Any) -> None:
+        """``optimizer``'s update, at the last micro-batch of an accumulation (before it:
+        nothing): its gradients averaged over the ranks, unscaled, checked, clipped."""
+        self._check("optimizer_step")
+        if not self._last:
+            return
+        if not any(optimizer is o for o in self.optimizers):
+            raise UserError(
+                "optimizer_step: that optimizer is not one create_optimizer returned; "
+                "step self.optimizers[i]"
+            )
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.strategy.average_gradients([p for p in params if p.grad is not None])
+        checker = self.nan_checker
+        if self.grad_clip or checker is not None or self.before_update:
+            self.precision.unscale(optimizer)
+        if checker is not None:
+            grads = checker.flags(None, gradients=self.precision.scaler is None, parameters=False)
+            epoch, step = self._where
+            event = checker.agree(grads, epoch, step, self.state.global_step + 1)
+            if event is not None:
+                if self.on_nan(event) is not None:
+                    raise _Dropped(event)
+                return  # --on-nan skip: this update is dropped on every rank
+        for call in self.before_update:
+            call()
+        if self.grad_clip:
+            self.grad_norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
+        self.precision.apply(optimizer)
+        optimizer.zero_grad()  # a later loss of the step may reach these parameters again
+
+    def _check(self, what: str) -> int:
+        if not self._micro_batches:
+            raise UserError(
+                f"self.{what}() is for train_step with manual_optimization = True; it was "
+                "called outside a training step"
+            )
+        return self._micro_batches

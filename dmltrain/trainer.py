@@ -55,7 +55,7 @@ from dmltrain.nan import NanChecker, NanEvent
 from dmltrain.precision import Precision, check_available
 from dmltrain.progress import Progress
 from dmltrain.state import TrainState
-from dmltrain.step import OptimizerStep
+from dmltrain.step import ManualStep, OptimizerStep
 from dmltrain.tracking import Tracker, create_trackers
 from dmltrain.training_log import StepsLog, read_training_log, write_training_log
 from dmltrain.watchdog import Watchdog
@@ -79,8 +79,9 @@ class BaseTrainer(TrainerHooks):
 
     # Set by setup(), before the first epoch.
     model: nn.Module
-    optimizer: torch.optim.Optimizer
-    scheduler: Any
+    optimizers: tuple[Any, ...]  # create_optimizer's, wrapped by the strategy
+    optimizer: Any  # the first of them
+    scheduler: Any  # create_scheduler's
     train_loader: DataLoader
     val_loader: DataLoader | None
     strategy: Strategy
@@ -101,7 +102,7 @@ class BaseTrainer(TrainerHooks):
     total_steps: int  # optimizer steps by --epochs and --max-steps, known before the first
     precision: Precision
     nan_checker: NanChecker | None
-    step: OptimizerStep  # one optimizer step (dmltrain.step)
+    _step: OptimizerStep | ManualStep  # one optimizer step (dmltrain.step)
     epochs_this_job: int
     ranks: list[dict[str, Any]]  # what each rank reported at start (diagnostics.this_rank)
     evaluator: evaluation.Evaluator  # validation, --evaluate and --predict over a loader
@@ -337,7 +338,7 @@ class BaseTrainer(TrainerHooks):
             self.progress.epoch(batches, epoch, loop.epochs, steps), start=s.step_in_epoch + 1
         ):
             if (epoch, step) not in s.skip_steps:  # not dropped by a rollback
-                event = self.step.run(micro_batches, epoch, step)
+                event = self._step.run(micro_batches, epoch, step)
                 if event is not None:
                     return event
                 if self.ema is not None:
@@ -391,8 +392,9 @@ class BaseTrainer(TrainerHooks):
             with self.ema.swapped_in():
                 val.update({f"ema_{k}": v for k, v in self.validate().items()})
         lr = self.optimizer.param_groups[0]["lr"]
-        if self.scheduler is not None and self.scheduler_interval == "epoch" and not partial:
-            self.scheduler.step()
+        if self.scheduler_interval == "epoch" and not partial:
+            for scheduler in self._schedulers:
+                scheduler.step()
         row: dict[str, Any] = {"epoch": epoch + 1, "step": s.global_step}
         row.update({f"train_{k}": v for k, v in train.items()})
         row.update({f"val_{k}": v for k, v in val.items()})
@@ -435,8 +437,8 @@ class BaseTrainer(TrainerHooks):
     def _log_step(self, epoch: int, shown: dict[str, float]) -> None:
         """The step scalars at a log interval (rank 0): steps.csv and the tracker."""
         values = {**shown, "lr": self.optimizer.param_groups[0]["lr"]}
-        if self.step.grad_norm is not None:
-            values["grad_norm"] = float(self.step.grad_norm)
+        if self._step.grad_norm is not None:
+            values["grad_norm"] = float(self._step.grad_norm)
         if self.precision.scale is not None:
             values["grad_scale"] = float(self.precision.scale)
             values["skipped_steps"] = int(self.precision.skipped)
@@ -454,6 +456,27 @@ class BaseTrainer(TrainerHooks):
             f"preempted ({why}): checkpoint saved at epoch {self.state.epoch + 1}, step "
             f"{self.state.step_in_epoch}; exit status 3"
         )
+
+    def backward(self, loss: torch.Tensor, optimizer: Any = None) -> None:
+        """In ``train_step`` with ``manual_optimization``: ``loss``'s gradients (scaled with
+        fp16, shared among an accumulation's micro-batches). With ``optimizer``, only its
+        parameters keep them (a generator's loss leaves the discriminator's gradients)."""
+        self._manual("backward").backward(loss, optimizer)
+
+    def optimizer_step(self, optimizer: Any) -> None:
+        """In ``train_step`` with ``manual_optimization``: ``optimizer``'s update, its
+        gradients averaged over the ranks, unscaled, checked (--check-nans) and clipped
+        (--grad-clip); at the last micro-batch of an accumulation, a no-op before it."""
+        self._manual("optimizer_step").optimizer_step(optimizer)
+
+    def _manual(self, what: str) -> ManualStep:
+        step = getattr(self, "_step", None)
+        if not isinstance(step, ManualStep):
+            raise UserError(
+                f"self.{what}() needs manual_optimization = True on {type(self).__name__} "
+                "(then train_step makes its own updates)"
+            )
+        return step
 
     def validate(self) -> dict[str, float]:
         """Validation over the ranks' shards, every sample counted once."""
@@ -546,7 +569,9 @@ class BaseTrainer(TrainerHooks):
         contract.model(model)
         model = model.to(self.device)
         rng.seed_everything(loop.seed + dist.rank)  # per-rank dropout, augmentation
-        self.model = self.strategy.wrap_model(model, self.fsdp_units(model), self.precision.dtype)
+        self.model = self.strategy.wrap_model(
+            model, self.fsdp_units(model), self.precision.dtype, self.manual_optimization
+        )
         self.ema = None
         if loop.ema_decay and not evaluating:
             self.ema = EMA(unwrap(self.model), loop.ema_decay, loop.ema_warmup_steps,
@@ -559,9 +584,14 @@ class BaseTrainer(TrainerHooks):
             self.model = torch.compile(self.model)  # type: ignore[assignment]
         self._setup_data()
         self.total_steps = total_steps(loop, math.ceil(len(self.train_loader) / loop.grad_accum))
-        optimizer = self.create_optimizer(self.model)
-        self.optimizer = self.strategy.wrap_optimizer(optimizer, self.model, loop.grad_accum)
-        self.scheduler = self.create_scheduler(self.optimizer)
+        made = contract.several(self.create_optimizer(self.model), "create_optimizer")
+        self.optimizers = tuple(self.strategy.wrap_optimizer(
+            o, self.model, loop.grad_accum, self.manual_optimization) for o in made)  # fmt: skip
+        self.optimizer = self.optimizers[0]
+        single = len(self.optimizers) == 1
+        self.scheduler = self.create_scheduler(self.optimizer if single else self.optimizers)
+        self._schedulers = () if self.scheduler is None else contract.several(
+            self.scheduler, "create_scheduler")  # fmt: skip
         self.state = TrainState(self.device)  # on the device chosen by the strategy
         checks = cfg.numerics
         self.nan_checker = None
@@ -576,7 +606,7 @@ class BaseTrainer(TrainerHooks):
         self._events = Events(callbacks)
         self._fire(self._events.on_setup)
         states = {} if evaluating else callback.states(callbacks, self.create_states())
-        saved = Saved(self.model, self.optimizer, self.scheduler, self.precision, self.state,
+        saved = Saved(self.model, self.optimizers, self._schedulers, self.precision, self.state,
                       self.ema, states)  # fmt: skip
         plain = as_plain(cfg, self.options)  # what checkpoints and records hold of the config
         restoring = cfg.checkpoint
@@ -596,16 +626,24 @@ class BaseTrainer(TrainerHooks):
                              cfg.preemption.epochs_per_job, self.warn)  # fmt: skip
         if checks.check_nans and checks.on_nan == "rollback" and self.state.global_step == 0:
             self.checkpointer.save(best=False)  # something to roll back to from step 1
-        per_step = self.scheduler if self.scheduler_interval == "step" else None
+        per_step = self._schedulers if self.scheduler_interval == "step" else ()
         self._start_monitor()
-        self.step = OptimizerStep(
-            self.step_clock.timed(self.train_step), self.on_after_backward, self.model,
-            self.optimizer, per_step, self.precision, self.strategy, self.state, self.device,
-            loop.grad_clip, checks.detect_anomaly, self.nan_checker,
-            lambda event: self.nan_checker.act(  # type: ignore[union-attr]
-                event, checks.on_nan, self.progress.info, self.checkpointer.newest),
-            before_update=tuple(partial(c, self) for c in self._events.on_before_optimizer_step),
-        )  # fmt: skip
+        timed = self.step_clock.timed(self.train_step)
+        on_nan = lambda event: self.nan_checker.act(  # type: ignore[union-attr]  # noqa: E731
+            event, checks.on_nan, self.progress.info, self.checkpointer.newest)  # fmt: skip
+        before = tuple(partial(c, self) for c in self._events.on_before_optimizer_step)
+        if self.manual_optimization:
+            self._step = ManualStep(
+                timed, self.model, self.optimizers, per_step, self.precision, self.strategy,
+                self.state, self.device, loop.grad_clip, checks.detect_anomaly,
+                self.nan_checker, on_nan, before,
+            )  # fmt: skip
+        else:
+            self._step = OptimizerStep(
+                timed, self.on_after_backward, self.model, self.optimizers, per_step,
+                self.precision, self.strategy, self.state, self.device, loop.grad_clip,
+                checks.detect_anomaly, self.nan_checker, on_nan, before_update=before,
+            )  # fmt: skip
         self._start_records(plain)
 
     def _setup_data(self) -> None:
