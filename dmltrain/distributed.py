@@ -95,6 +95,10 @@ class Strategy:
         """A manual step: these parameters' gradients averaged over the ranks (one
         collective), whichever modules the step ran them through."""
 
+    def sync_wrapper(self, model: nn.Module) -> nn.Module | None:
+        """The module whose forward must run for gradients to be averaged (DDP's), if any."""
+        return None
+
     def optimizer_step(self, step: Callable[[Any], None], optimizer: Any) -> None:
         """``step(optimizer)``: the update, after ``sync_gradients``."""
         step(optimizer)
@@ -215,6 +219,10 @@ class DDPStrategy(Strategy):
         )
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
 
+    def sync_wrapper(self, model: nn.Module) -> nn.Module | None:
+        inner = getattr(model, "_orig_mod", model)
+        return inner if isinstance(inner, nn.parallel.DistributedDataParallel) else None
+
     def average_gradients(self, params: list[Tensor]) -> None:
         if not params:
             return
@@ -287,7 +295,10 @@ class FSDPStrategy(DDPStrategy):
         policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         for unit in units:
             fully_shard(unit, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
+        if not manual or not units:
+            fully_shard(model, mp_policy=policy)
+        # manual: each unit is a root of its own, so a step may call any of them alone;
+        # parameters outside them stay whole on every rank (average_gradients)
         return model
 
     def eval_model(self, model: nn.Module) -> nn.Module:
@@ -295,7 +306,10 @@ class FSDPStrategy(DDPStrategy):
         return unwrap(model)
 
     def average_gradients(self, params: list[Tensor]) -> None:
-        """Averaged already: each FSDP unit reduce-scatters its gradients in the backward."""
+        """The sharded ones are averaged already (each FSDP unit reduce-scatters its
+        gradients in the backward); those of parameters outside the units, here."""
+        whole = [p for p in params if not hasattr(p, "to_local")]
+        super().average_gradients(whole)
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from dmltrain.batches import StepOutput, split_step_output
 from dmltrain.config import TrainConfig
 from dmltrain.distributed import Strategy
+from dmltrain.errors import UserError
 
 
 class TrainerHooks(abc.ABC):
@@ -59,6 +60,11 @@ class TrainerHooks(abc.ABC):
 
     def val_step(self, batch: Any) -> Mapping[str, Tensor | float]:
         """Validation metrics of one batch; by default the training loss."""
+        if self.manual_optimization:
+            raise UserError(
+                f"{type(self).__name__} has manual_optimization: define val_step(batch) "
+                "(the default would run train_step, which updates the model)"
+            )
         loss, metrics = split_step_output(self.train_step(batch))
         return {"loss": loss, **metrics}
 

@@ -256,3 +256,30 @@ class ManualStep:
                 "called outside a training step"
             )
         return self._micro_batches
+
+
+def check_first_forward(step: OptimizerStep, wrapper: nn.Module | None) -> None:
+    """Under DDP the gradients are averaged by hooks that the wrapper's forward sets up: a
+    ``train_step`` that calls a submodule of it directly would train each rank apart,
+    silently. The first step checks that the wrapper ran; later steps run unwatched."""
+    if wrapper is None:
+        return
+    plain = step.train_step
+
+    def first(batch: Any) -> Any:
+        called: list[bool] = []
+        handle = wrapper.register_forward_pre_hook(lambda *_: called.append(True))
+        try:
+            output = plain(batch)
+        finally:
+            handle.remove()
+        if not called:
+            raise UserError(
+                "train_step did not call self.model: under DDP only its forward keeps the "
+                "ranks' gradients averaged; call self.model(...), or set "
+                "manual_optimization = True to call parts of the model on their own"
+            )
+        step.train_step = plain
+        return output
+
+    step.train_step = first

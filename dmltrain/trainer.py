@@ -55,7 +55,7 @@ from dmltrain.nan import NanChecker, NanEvent
 from dmltrain.precision import Precision, check_available
 from dmltrain.progress import Progress
 from dmltrain.state import TrainState
-from dmltrain.step import ManualStep, OptimizerStep
+from dmltrain.step import ManualStep, OptimizerStep, check_first_forward
 from dmltrain.tracking import Tracker, create_trackers
 from dmltrain.training_log import StepsLog, read_training_log, write_training_log
 from dmltrain.watchdog import Watchdog
@@ -644,6 +644,7 @@ class BaseTrainer(TrainerHooks):
                 self.precision, self.strategy, self.state, self.device, loop.grad_clip,
                 checks.detect_anomaly, self.nan_checker, on_nan, before_update=before,
             )  # fmt: skip
+            check_first_forward(self._step, self.strategy.sync_wrapper(self.model))
         self._start_records(plain)
 
     def _setup_data(self) -> None:

@@ -90,6 +90,15 @@ class TinyOptions:
         default=False,
         metadata={"help": "a callback on every event writes what it saw to events.RANK.json"},
     )
+    two_optimizers: str = field(
+        default="",
+        metadata={"help": "an optimizer for each Linear layer, stepped by the loop (auto) or "
+                  "by train_step, which calls the layers one by one (manual); bypass: auto, "
+                  "calling the layers one by one (a mistake under DDP)"},
+    )  # fmt: skip
+    rank_weights: bool = field(
+        default=False, metadata={"help": "every rank saves its weights: final_weights.RANK.pt"}
+    )
     record_samples: bool = field(
         default=False,
         metadata={"help": "each rank appends 'EPOCH STEP INDEX...' of its batches to "
@@ -263,6 +272,7 @@ class TinyTrainer(BaseTrainer):
                 log.write(f"{socket.gethostname()} {self.dist.rank}\n")
 
     def create_model(self) -> nn.Module:
+        self.manual_optimization = self.opts.two_optimizers == "manual"
         if self.dist.rank == self.opts.raise_rank and self.opts.raise_at_step == -2:
             raise RuntimeError("a bug in create_model")
         if self.opts.exit_note:  # an experiment's own clean-up, as a user would register it
@@ -280,6 +290,13 @@ class TinyTrainer(BaseTrainer):
         if self.opts.grad_norms_every:
             made.append(GradNorms(self.opts.grad_norms_every))
         return made
+
+    def create_optimizer(self, model):
+        if not self.opts.two_optimizers:
+            return super().create_optimizer(model)
+        layers = [m for m in self.unwrapped_model if isinstance(m, nn.Linear)]
+        return [torch.optim.Adam(layers[0].parameters(), lr=1e-3),
+                torch.optim.SGD(layers[-1].parameters(), lr=1e-2, momentum=0.9)]  # fmt: skip
 
     def create_scheduler(self, optimizer):
         if not self.opts.one_cycle:
@@ -352,10 +369,28 @@ class TinyTrainer(BaseTrainer):
             with open(self.run_dir / f"samples.{self.dist.rank}.txt", "a") as record:
                 shown = " ".join(str(int(i)) for i in index[0])
                 record.write(f"{self.epoch + 1} {self.step_in_epoch + 1} {shown}\n")
+        if self.opts.two_optimizers == "bypass":  # a user's mistake under DDP
+            for layer in self.unwrapped_model:
+                x = layer(x)
+            return F.mse_loss(x, y)
+        if self.manual_optimization:  # each layer called on its own: no wrapper's hooks
+            for layer in self.model:
+                x = layer(x)
+            loss = F.mse_loss(x, y)
+            self.backward(loss)
+            for optimizer in self.optimizers:
+                self.optimizer_step(optimizer)
+            return loss
         loss = F.mse_loss(self.model(x), y)
         if self._injecting("loss"):
             loss = loss * float("nan")
         return loss
+
+    def val_step(self, batch):
+        if not self.manual_optimization:
+            return super().val_step(batch)
+        x, y, *_ = batch
+        return {"loss": F.mse_loss(self.model(x), y)}
 
     def _injecting(self, into: str) -> bool:
         o = self.opts
@@ -366,11 +401,15 @@ class TinyTrainer(BaseTrainer):
             self.strategy.eval_model(self.model)[-1].weight.grad[0, 0] = float("inf")
 
     def on_train_end(self):
-        if self.opts.save_weights:
+        if self.opts.save_weights or self.opts.rank_weights:
             options = StateDictOptions(full_state_dict=True, cpu_offload=True)
             weights = get_model_state_dict(self.model, options=options)
-            if self.dist.is_main:
+            if self.dist.is_main and self.opts.save_weights:
                 torch.save(weights, self.run_dir / "final_weights.pt")
+            if self.opts.rank_weights:  # cpu_offload gives rank 0 alone the weights
+                weights = get_model_state_dict(self.model, options=StateDictOptions(True))
+                weights = {k: v.cpu() for k, v in weights.items()}
+                torch.save(weights, self.run_dir / f"final_weights.{self.dist.rank}.pt")
 
 
 EXPERIMENT = register_experiment("tiny", TinyTrainer, TinyOptions, help="tiny regression (tests)")
