@@ -75,3 +75,58 @@ def test_example_runs_from_a_notebook(tmp_path, monkeypatch):
     weight, bias = trainer.model.weight.item(), trainer.model.bias.item()
     assert abs(weight - 3) < 0.1 and abs(bias - 1) < 0.1, (weight, bias)
     assert rows[-1]["val_loss"] < 0.02
+
+
+def _block(heading: str, lang: str = "python") -> str:
+    part = README.split(heading, 1)[1]
+    return re.search(rf"```{lang}\n(.*?)```", part, re.S).group(1)
+
+
+def test_the_callback_example_logs_and_checkpoints_its_state(tmp_path):
+    from test_tracking import tensorboard_scalars
+
+    from dmltrain.checkpoint import load_file
+
+    (tmp_path / "my_experiment.py").write_text(_example_source())
+    (tmp_path / "my_callbacks.py").write_text(_block("### Callbacks"))
+    run = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "my_callbacks.py", "line-monitored", "--epochs", "2", "--batch-size",
+         "32", "--tracker", "", "--tensorboard", "--run-dir", str(run)],
+        cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    scalars = tensorboard_scalars(run)  # 14 steps an epoch: logged at steps 10 and 20
+    assert scalars["grad_norms_logged"] == [(10, 1.0), (20, 2.0)]
+    assert [step for step, _ in scalars["grad_norm/weight"]] == [10, 20]
+    state = load_file(run / "checkpoints" / "latest.pt")
+    assert state["states"] == {"GradNorms": {"logged": 2}}
+
+
+def test_the_manual_step_shown_is_the_bundled_gans():
+    shown = _block("### Several models and optimizers (a GAN)")
+    assert shown in (ROOT / "experiments" / "mnist_gan.py").read_text()
+
+
+def test_the_tracker_example_is_named_by_its_entry_point(tmp_path):
+    (tmp_path / "my_experiment.py").write_text(_example_source())
+    (tmp_path / "my_tracker.py").write_text(_block("### A tracker of your own"))
+    info = tmp_path / "my_tracker-0.dist-info"  # what pip writes for the README's entry point
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: my-tracker\nVersion: 0\n")
+    points = _block("### A tracker of your own", "ini").split("\n", 1)[1]
+    (info / "entry_points.txt").write_text(
+        points.replace("dmltrain.trackers =", "[dmltrain.trackers]")
+    )
+    env = cli_env()
+    env["PYTHONPATH"] = f"{tmp_path}:{env['PYTHONPATH']}"
+    done = subprocess.run(
+        ["dmltrain", "my_experiment.py", "--epochs", "1", "--tracker", "printer", "--run-dir",
+         str(tmp_path / "run"), "--progress", "off"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "printer: run run from step 0" in done.stdout
+    assert "printer: 7 ['train/data_wait', 'train/loss', 'train/lr'," in done.stdout  # steps
+    assert "'train_loss', 'val_loss', 'world_size']" in done.stdout  # the epoch's row
+    assert "printer: finished (preempted: False)" in done.stdout
