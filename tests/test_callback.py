@@ -60,6 +60,19 @@ def test_a_callback_on_every_event_changes_no_bit(tmp_path, reference):
         }  # fmt: skip
 
 
+def test_a_trainer_owns_its_names_step_monitor_state(tmp_path, reference):
+    """A user's trainer keeps its own self.step, self.monitor, self.state, self.budget,
+    self.progress: the engine's parts live elsewhere, and the run is the same, bitwise."""
+    run = tmp_path / "run"
+    train(run, "--own-names")
+    assert_same_run(reference, run)
+    for rank in (0, 1):
+        mine = json.loads((run / f"own_names.{rank}.json").read_text())
+        assert mine["step"] == 18 and mine["state"] == {"seen": 18 * 8}
+        assert mine["monitor"] == "mine" and mine["budget"] == 1.0
+        assert mine["progress"] == list(range(18))
+
+
 def test_installed_callbacks_are_named_by_entry_point(tmp_path):
     run = tmp_path / "run"
     done = run_cli(*TINY, "--epochs", "1", "--callbacks", "every-event", "--run-dir", str(run),

@@ -96,6 +96,11 @@ class TinyOptions:
                   "by train_step, which calls the layers one by one (manual); bypass: auto, "
                   "calling the layers one by one (a mistake under DDP)"},
     )  # fmt: skip
+    own_names: bool = field(
+        default=False,
+        metadata={"help": "the trainer keeps its own step, monitor, state, budget and progress "
+                  "attributes and writes them to RUN_DIR/own_names.RANK.json"},
+    )  # fmt: skip
     rank_weights: bool = field(
         default=False, metadata={"help": "every rank saves its weights: final_weights.RANK.pt"}
     )
@@ -285,6 +290,11 @@ class TinyTrainer(BaseTrainer):
             layers.insert(2, nn.Dropout(self.opts.dropout))
         return nn.Sequential(*layers)
 
+    def on_train_start(self):
+        if self.opts.own_names:  # names a user may pick that the engine used to own
+            self.step, self.monitor, self.state = 0, "mine", {"seen": 0}
+            self.budget, self.progress, self.checkpointer = 1.0, [], None
+
     def create_callbacks(self):
         made = [EveryEvent()] if self.opts.listen_all else []
         if self.opts.grad_norms_every:
@@ -365,6 +375,10 @@ class TinyTrainer(BaseTrainer):
                 torch.empty(1 << 50, device=self.device)  # a petabyte: a real allocator failure
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1024.00 TiB")
         x, y, *index = batch
+        if self.opts.own_names and self.model.training:  # not in validation's val_step
+            self.step += 1
+            self.state["seen"] += len(x)
+            self.progress.append(self.global_step)
         if index:
             with open(self.run_dir / f"samples.{self.dist.rank}.txt", "a") as record:
                 shown = " ".join(str(int(i)) for i in index[0])
@@ -401,6 +415,10 @@ class TinyTrainer(BaseTrainer):
             self.strategy.eval_model(self.model)[-1].weight.grad[0, 0] = float("inf")
 
     def on_train_end(self):
+        if self.opts.own_names:
+            mine = {"step": self.step, "monitor": self.monitor, "state": self.state,
+                    "budget": self.budget, "progress": self.progress}  # fmt: skip
+            (self.run_dir / f"own_names.{self.dist.rank}.json").write_text(json.dumps(mine))
         if self.opts.save_weights or self.opts.rank_weights:
             options = StateDictOptions(full_state_dict=True, cpu_offload=True)
             weights = get_model_state_dict(self.model, options=options)
