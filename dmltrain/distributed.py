@@ -36,10 +36,17 @@ def unwrap(model: nn.Module) -> nn.Module:
     while True:
         if isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's
-            model = model._orig_mod  # type: ignore[assignment]
+        elif uncompiled(model) is not model:
+            model = uncompiled(model)
         else:
             return model
+
+
+def uncompiled(model: nn.Module) -> nn.Module:
+    """The module inside torch.compile's wrapper (its private ``_orig_mod``: torch has no
+    public way to it), or ``model`` itself."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) else model
 
 
 class Strategy:
@@ -220,7 +227,7 @@ class DDPStrategy(Strategy):
         return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
 
     def sync_wrapper(self, model: nn.Module) -> nn.Module | None:
-        inner = getattr(model, "_orig_mod", model)
+        inner = uncompiled(model)
         return inner if isinstance(inner, nn.parallel.DistributedDataParallel) else None
 
     def average_gradients(self, params: list[Tensor]) -> None:
@@ -239,7 +246,7 @@ class DDPStrategy(Strategy):
         return unwrap(model)  # DDP's forward would take part in collectives
 
     def no_sync(self, model: nn.Module) -> contextlib.AbstractContextManager[Any]:
-        inner = getattr(model, "_orig_mod", model)
+        inner = uncompiled(model)
         if isinstance(inner, nn.parallel.DistributedDataParallel):
             return inner.no_sync()
         return contextlib.nullcontext()
@@ -313,7 +320,7 @@ class FSDPStrategy(DDPStrategy):
 
     @contextlib.contextmanager
     def no_sync(self, model: nn.Module) -> Iterator[None]:
-        inner: Any = getattr(model, "_orig_mod", model)
+        inner: Any = uncompiled(model)
         inner.set_requires_gradient_sync(False)
         try:
             yield

@@ -51,7 +51,6 @@ class Precision:
 
     def __init__(self, kind: str, device: torch.device) -> None:
         check_available(kind, device)
-        self.kind = kind
         self.device = device
         self.dtype: torch.dtype | None = DTYPES[kind]
         self.scaler = torch.amp.GradScaler(device.type) if kind == "fp16" else None

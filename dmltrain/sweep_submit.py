@@ -21,11 +21,9 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from dmltrain import submit
-from dmltrain.errors import EXIT_PEER_LOST, UserError
+from dmltrain.errors import EXIT_PEER_LOST, EXIT_REQUEUE, UserError
 from dmltrain.launch import child_env, cpu_set, physical_cores, split_gpus
 from dmltrain.sweep import Sweep, best, check_trials, expand, given, load_space
-
-_EXIT_REQUEUE = 3
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -119,7 +117,7 @@ def run_local(sweep: Sweep, left: list[int], parallel: int) -> int:
             while True:
                 code = subprocess.run([sys.executable, "-m", "dmltrain", *args], stdout=log,
                                       stderr=subprocess.STDOUT).returncode  # fmt: skip
-                if code != _EXIT_REQUEUE:
+                if code != EXIT_REQUEUE:
                     break
         print(f"dmltrain sweep: trial {i}: {sweep.outcome(i)} (exit status {code})", flush=True)
         return code
@@ -240,8 +238,8 @@ def task_command(argv: list[str]) -> int:
         time.sleep(0.2)
     codes = [child.returncode for child in children]
     print(f"dmltrain sweep: task {task}: trials {trials} ended with {codes}", flush=True)
-    if any(code in (_EXIT_REQUEUE, EXIT_PEER_LOST) for code in codes):
-        return _EXIT_REQUEUE
+    if any(code in (EXIT_REQUEUE, EXIT_PEER_LOST) for code in codes):
+        return EXIT_REQUEUE
     return next((code for code in codes if code), 0)
 
 

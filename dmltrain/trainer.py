@@ -391,7 +391,7 @@ class BaseTrainer(TrainerHooks):
         if val and self._ema is not None and self.config.loop.ema_eval:
             with self._ema.swapped_in():
                 val.update({f"ema_{k}": v for k, v in self.validate().items()})
-        lr = self.optimizer.param_groups[0]["lr"]
+        lr = self._lr()
         if self.scheduler_interval == "epoch" and not partial:
             for scheduler in self._schedulers:
                 scheduler.step()
@@ -429,6 +429,10 @@ class BaseTrainer(TrainerHooks):
         """No hang watch inside (validation)."""
         return self._watchdog.paused() if self._watchdog is not None else contextlib.nullcontext()
 
+    def _lr(self) -> float:
+        """The learning rate shown and logged: the first optimizer's first group's."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
     def _fire(self, listeners: tuple[Any, ...], *args: Any) -> None:
         """An event of the callbacks (``dmltrain.callback``) that is not per step."""
         for call in listeners:
@@ -436,7 +440,7 @@ class BaseTrainer(TrainerHooks):
 
     def _log_step(self, epoch: int, shown: dict[str, float]) -> None:
         """The step scalars at a log interval (rank 0): steps.csv and the tracker."""
-        values = {**shown, "lr": self.optimizer.param_groups[0]["lr"]}
+        values = {**shown, "lr": self._lr()}
         if self._step.grad_norm is not None:
             values["grad_norm"] = float(self._step.grad_norm)
         if self._precision.scale is not None:
