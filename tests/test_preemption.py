@@ -104,7 +104,9 @@ def test_an_agreement_that_costs_more_is_spaced_out_to_one_percent():
     count, share, interval, stopped = run(share=0.01, seconds=1.3)
     assert fixed_interval == pytest.approx(0.01) and fixed_share > 0.15, (fixed_count, fixed_share)
     assert 0.39 <= interval <= 0.6, interval
-    assert count <= 6 and share < 0.03, (count, share)  # two at the start, before the cost is known
+    # two at the start, before the cost is known; the share is judged against the fixed
+    # schedule's, measured alike (a loaded machine stretches the sleeps of both)
+    assert count <= 6 and share < min(0.05, fixed_share / 5), (count, share, fixed_share)
     assert stopped
 
     capped = AgreementSchedule(seconds=0.5)
