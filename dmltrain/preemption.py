@@ -28,10 +28,13 @@ from dmltrain.errors import EXIT_REQUEUE
 class PreemptionWatcher:
     """Turns the given signals (and an optional deadline) into a flag."""
 
-    def __init__(self, signal_names: list[str], deadline: float | None = None) -> None:
+    def __init__(
+        self, signal_names: list[str], deadline: float | None = None, worker: bool = False
+    ) -> None:
         self.requested: str | None = None
         self.deadline = deadline
         self.parent = os.getppid()  # a --nprocs worker's parent: gone, it sends SIGINT
+        self.worker = worker  # a --nprocs worker (its parent's end is told apart)
         self._received: list[int] = []  # signal numbers not yet taken by ``take_received``
         self._previous: dict[int, object] = {}
         for name in signal_names:
@@ -56,8 +59,13 @@ class PreemptionWatcher:
     def why(self) -> str:
         """Why the run stops: the signal, the time limit, or a --nprocs worker's parent that
         ended (torch's workers get SIGINT when their parent dies)."""
-        if self.requested == "SIGINT" and os.getppid() != self.parent:
-            return "the --nprocs parent process ended"
+        if self.requested == "SIGINT" and self.worker:
+            # The SIGINT comes as the parent's threads end; the worker is handed to another
+            # parent only once the last of them has (a moment later on a loaded machine).
+            for _ in range(20):
+                if os.getppid() != self.parent:
+                    return "the --nprocs parent process ended"
+                time.sleep(0.05)
         return self.requested or "another rank was signalled"
 
     def restore(self) -> None:

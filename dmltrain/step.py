@@ -81,17 +81,7 @@ class OptimizerStep:
             for optimizer in optimizers:
                 self.strategy.optimizer_step(precision.apply, optimizer)
             precision.update()
-        if checker is not None:
-            flags = checker.flags(None, gradients=False, parameters=True)
-            event = checker.agree(flags, epoch, step, global_step + 1)
-            if event is not None:
-                return self.on_nan(event)  # an update cannot be dropped: raise or roll back
-        for scheduler in self.schedulers:
-            scheduler.step()
-        metrics = self.state.metrics
-        for loss, step_metrics, n in results:
-            metrics.update({"loss": loss, **step_metrics}, n)
-        return None
+        return _after_updates(self, results, epoch, step)
 
     def _forward_backward(
         self, batch: Any, micro_batches: int
@@ -117,6 +107,25 @@ class OptimizerStep:
         if self.detect_anomaly:
             stack.enter_context(torch.autograd.detect_anomaly())
         return stack
+
+
+def _after_updates(
+    step: "OptimizerStep | ManualStep", results: list[Any], epoch: int, number: int
+) -> NanEvent | None:
+    """After a step's updates: the parameters' NaN agreement, the per-step schedulers, and
+    the step's losses and metrics into the epoch's sums."""
+    checker = step.nan_checker
+    if checker is not None:
+        flags = checker.flags(None, gradients=False, parameters=True)
+        event = checker.agree(flags, epoch, number, step.state.global_step + 1)
+        if event is not None:
+            return step.on_nan(event)  # an update cannot be dropped: raise or roll back
+    for scheduler in step.schedulers:
+        scheduler.step()
+    metrics = step.state.metrics
+    for loss, step_metrics, n in results:
+        metrics.update({"loss": loss, **step_metrics}, n)
+    return None
 
 
 class _Dropped(Exception):
@@ -174,18 +183,7 @@ class ManualStep:
         finally:
             self._micro_batches = 0
         self.precision.update()
-        checker = self.nan_checker
-        if checker is not None:
-            flags = checker.flags(None, gradients=False, parameters=True)
-            event = checker.agree(flags, epoch, step, self.state.global_step + 1)
-            if event is not None:
-                return self.on_nan(event)  # updates cannot be dropped: raise or roll back
-        for scheduler in self.schedulers:
-            scheduler.step()
-        metrics = self.state.metrics
-        for loss, step_metrics, n in results:
-            metrics.update({"loss": loss, **step_metrics}, n)
-        return None
+        return _after_updates(self, results, epoch, step)
 
     def backward(self, loss: Tensor, optimizer: Any = None) -> None:
         """``loss``'s gradients, scaled (fp16) and divided among the micro-batches of an

@@ -217,7 +217,9 @@ class BaseTrainer(TrainerHooks):
 
     def _fit(self) -> list[dict[str, Any]]:
         # Signals are caught from here on (setup can take long); the loop acts on them.
-        self._watcher = preemption.PreemptionWatcher(self.config.preemption.signal_names())
+        self._watcher = preemption.PreemptionWatcher(
+            self.config.preemption.signal_names(), worker=self.dist.spawned
+        )
         self._agreement = preemption.AgreementSchedule(self.config.preemption.preempt_check_seconds)
         evaluating, results = self.config.checkpoint.evaluating, None
         try:
