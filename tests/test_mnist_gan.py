@@ -2,14 +2,16 @@
 the bundled DCGAN trains, and preempted mid-epoch under DDP and FSDP it resumes bitwise;
 bf16 and fp16 run with both optimizers. On tiny (tests/tiny.py --two-optimizers), a step
 that calls each layer on its own keeps the ranks' weights equal, and equal to one
-process at the same global batch, under DDP and FSDP, updated by the loop or by hand."""
+process at the same global batch, under DDP, FSDP and Horovod (horovodrun), updated by the
+loop or by hand."""
 
 import csv
 import math
+import subprocess
 
 import pytest
 import torch
-from helpers import AT_ONCE, TINY, log_numbers, run_cli, signal_at_line
+from helpers import AT_ONCE, TINY, cli_env, log_numbers, own_port, require, run_cli, signal_at_line
 from test_mnist import assert_same_mnist
 
 from dmltrain.checkpoint import load_file
@@ -77,16 +79,23 @@ def test_the_gan_in_mixed_precision(tmp_path, precision):
 
 
 @pytest.mark.parametrize("mode", ["auto", "manual"])
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "horovod"])
 def test_two_optimizers_keep_ranks_equal_and_equal_one_process(tmp_path, mode, strategy):
     args = [*TINY, "--epochs", "2", "--two-optimizers", mode, "--rank-weights"]
     one = tmp_path / "one"
     done = run_cli(*args, "--batch-size", "16", "--run-dir", str(one), cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     two = tmp_path / "two"
-    done = run_cli(*args, "--batch-size", "8", "--nprocs", "2", "--strategy", strategy,
-                   "--run-dir", str(two), cwd=tmp_path)  # fmt: skip
-    assert done.returncode == 0, done.stderr
+    shape = ["--batch-size", "8", "--strategy", strategy, "--run-dir", str(two)]
+    if strategy == "horovod":  # under horovodrun, as users launch it
+        require("horovodrun")
+        done = subprocess.run(
+            ["horovodrun", "--gloo", "-np", "2", "-H", "localhost:2", "dmltrain", *args, *shape],
+            cwd=tmp_path, env=cli_env(**own_port()), capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+    else:
+        done = run_cli(*args, *shape, "--nprocs", "2", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr
     alone = torch.load(one / "final_weights.0.pt", weights_only=True)
     ranks = [torch.load(two / f"final_weights.{r}.pt", weights_only=True) for r in (0, 1)]
     for key in alone:
