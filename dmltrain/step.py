@@ -7,7 +7,7 @@ Python functions: each costs a microsecond or more between torch's kernels.
 
 import contextlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -162,6 +162,13 @@ class ManualStep:
     _micro_batches: int = 0  # of the step in progress (0: no step in progress)
     _last: bool = False  # whether the micro-batch in progress is its last
     _where: tuple[int, int] = (0, 0)  # (epoch, step) in progress
+    # each optimizer's own parameters (by id(optimizer)), and their ids, found once
+    _own: dict[int, tuple[list[Tensor], set[int]]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for optimizer in self.optimizers:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            self._own[id(optimizer)] = (params, {id(p) for p in params})
 
     def run(self, micro_batches: list[Any], epoch: int, step: int) -> NanEvent | None:
         for optimizer in self.optimizers:
@@ -213,8 +220,17 @@ class ManualStep:
 
     def _others(self, optimizer: Any) -> list[Tensor]:
         """The model's parameters that ``optimizer`` does not update."""
-        own = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        own = self._owned(optimizer)[1]
         return [p for p in self.model.parameters() if id(p) not in own]
+
+    def _owned(self, optimizer: Any) -> tuple[list[Tensor], set[int]]:
+        """``optimizer``'s parameters and their ids; one not from create_optimizer is refused."""
+        owned = self._own.get(id(optimizer))
+        if owned is None:
+            raise UserError(
+                "that optimizer is not one create_optimizer returned; use self.optimizers[i]"
+            )
+        return owned
 
     def optimizer_step(self, optimizer: Any) -> None:
         """``optimizer``'s update, at the last micro-batch of an accumulation (before it:
@@ -222,12 +238,7 @@ class ManualStep:
         self._check("optimizer_step")
         if not self._last:
             return
-        if not any(optimizer is o for o in self.optimizers):
-            raise UserError(
-                "optimizer_step: that optimizer is not one create_optimizer returned; "
-                "step self.optimizers[i]"
-            )
-        params = [p for group in optimizer.param_groups for p in group["params"]]
+        params = self._owned(optimizer)[0]
         self.strategy.average_gradients([p for p in params if p.grad is not None])
         checker = self.nan_checker
         if self.grad_clip or checker is not None or self.before_update:
