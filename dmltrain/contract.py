@@ -42,14 +42,14 @@ def several(result: Any, method: str) -> tuple[Any, ...]:
     items = tuple(result) if isinstance(result, tuple | list) else (result,)
     if not items:
         raise UserError(f"{method} returned an empty {type(result).__name__}; return one or more")
+    scheduler = method == "create_scheduler"
     for item in items:
-        ok = isinstance(item, torch.optim.Optimizer) or hasattr(item, "synchronize")  # Horovod
-        if method == "create_scheduler":
-            ok = callable(getattr(item, "step", None)) and callable(
-                getattr(item, "state_dict", None)
-            )
+        if scheduler:
+            ok = all(callable(getattr(item, name, None)) for name in ("step", "state_dict"))
+        else:  # checked before the strategy wraps it
+            ok = isinstance(item, torch.optim.Optimizer)
         if not ok:
-            what = "a torch.optim.Optimizer" if method == "create_optimizer" else "an LR scheduler"
+            what = "an LR scheduler" if scheduler else "a torch.optim.Optimizer"
             raise UserError(
                 f"{method} must return {what} or a list of them; it returned a "
                 f"{type(item).__name__}"
