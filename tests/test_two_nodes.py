@@ -61,6 +61,20 @@ def nodes_idle(env: dict[str, str]) -> bool:
     return states == ["idle", "idle"]
 
 
+def left_on(node: int) -> list[str]:
+    """What still runs in a node's namespace besides its slurmd: a lost node that is back
+    may still be ending its old tasks, which a job restarted on it at once would meet."""
+    pids = subprocess.run(["ip", "netns", "pids", f"dmln{node}"], capture_output=True,
+                          text=True).stdout.split()  # fmt: skip
+    names = []
+    for pid in pids:
+        try:
+            names.append(Path(f"/proc/{pid}/comm").read_text().strip())
+        except OSError:  # ended meanwhile
+            continue
+    return [name for name in names if name != "slurmd"]
+
+
 def hosts_of(log: str) -> str:
     """The 'where' line of the startup summary: each host and its devices."""
     return next(line for line in log.splitlines() if line.startswith("dmltrain: node"))
@@ -311,8 +325,9 @@ def test_a_job_that_lost_a_node_ends_requeues_and_resumes_bitwise(two_nodes, tin
         subprocess.run(["ip", "link", "set", "vh2", "up"], check=True)
     # Requeued jobs wait a while before they start; an admin starting this one at once
     # waits until node2, back, has finished with its first run (else Slurm kills the new
-    # step: "Job credential revoked").
-    wait_for(lambda: nodes_idle(two_nodes), 120, "both nodes idle")
+    # step: "Job credential revoked"). Slurm, having found node2 failed, may show it idle
+    # while its old task is still being killed there: wait for that too.
+    wait_for(lambda: nodes_idle(two_nodes) and not left_on(2), 120, "both nodes idle")
     release_requeues_until_done(job, tmp_path, env=two_nodes)
     log = out.read_text()
     assert "stopping: lost contact with rank 1 on node2 (not answering)" in log
