@@ -38,9 +38,14 @@ class Budget:
     job, not the run."""
 
     def __init__(
-        self, loop: LoopConfig, state: TrainState, best_metric: str, mode: str,
-        epochs_per_job: int = 0, warn: Callable[[str], None] = print,
-    ) -> None:  # fmt: skip
+        self,
+        loop: LoopConfig,
+        state: TrainState,
+        best_metric: str,
+        mode: str,
+        epochs_per_job: int = 0,
+        warn: Callable[[str], None] = print,
+    ) -> None:
         self.loop, self.state, self.epochs_per_job = loop, state, epochs_per_job
         self.best_metric, self.mode = best_metric, mode
         self.warn = warn

@@ -154,27 +154,18 @@ class Checkpointer:
     # ----- when -------------------------------------------------------------------------
     def minutes_due(self) -> bool:
         """Whether --checkpoint-every-minutes has passed on this rank since the last save
-        (the ranks agree on it before ``maybe_save``)."""
+        (the ranks agree on it before ``save_when_due``)."""
         minutes = self.config.checkpoint_every_minutes
         return bool(minutes) and time.monotonic() - self.last_save >= 60 * minutes
 
-    def maybe_save(
-        self,
-        *,
-        epoch_end: bool = False,
-        best: bool = False,
-        minutes: bool = False,
-        stopping: bool = False,
-        last: bool = False,
-    ) -> None:
-        """At a step boundary or an epoch's end (every rank, the same arguments): save
-        when due. ``minutes``: the ranks agreed a timed save is due; ``stopping``: the
-        run stops after this (preemption, the job's epochs done) and ``last``: the run is
-        done; both mean the checkpoint must be written."""
+    def save_when_due(self, timed: bool, stopping: bool) -> None:
+        """At a step boundary (every rank, the same arguments): save when
+        --checkpoint-every-steps says so, when the ranks agreed a timed save is due
+        (``timed``), or when the run stops after this step (``stopping``: then the
+        checkpoint must be written)."""
         every = self.config.checkpoint_every_steps
-        steps = bool(every) and self.saved.state.global_step % every == 0
-        if epoch_end or steps or minutes or stopping:
-            self.save(best=best, must=stopping or last)
+        if (every and self.saved.state.global_step % every == 0) or timed or stopping:
+            self.save(best=False, must=stopping)
 
     # ----- saving -------------------------------------------------------------------------
     # around each save: the hang watchdog's pause (a save may take minutes)
@@ -390,10 +381,15 @@ class Checkpointer:
             return
         samples = s.step_in_epoch * old
         s.step_in_epoch = samples // new
-        s.world_size_changes.append({
-            "epoch": s.epoch + 1, "step": s.step_in_epoch, "global_step": s.global_step,
-            "world_size": [state["world_size"], world], "global_batch": [old, new],
-        })  # fmt: skip
+        s.world_size_changes.append(
+            {
+                "epoch": s.epoch + 1,
+                "step": s.step_in_epoch,
+                "global_step": s.global_step,
+                "world_size": [state["world_size"], world],
+                "global_batch": [old, new],
+            }
+        )
         said = (
             f"dmltrain: resuming on {world} process(es) instead of {state['world_size']}, "
             f"global batch {new}"

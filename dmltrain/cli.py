@@ -74,9 +74,10 @@ def _add_plot(parser: argparse.ArgumentParser) -> None:
         "run_dir", help="a run directory (holding training_log.csv), or a sweep's (all trials)"
     )
     parser.add_argument(
-        "-o", "--output",
+        "-o",
+        "--output",
         help="PNG file to write (default: RUN_DIR/training_curves.png, a sweep's sweep_curves.png)",
-    )  # fmt: skip
+    )
 
 
 def _submit(args: argparse.Namespace) -> int:
@@ -199,16 +200,18 @@ def experiment_file(path: Path) -> Experiment:
     (``register_experiment``). The file is imported as a module of its own name, with its
     directory on ``sys.path``, so ``--nprocs`` workers and every rank import it the same way."""
     if not path.is_file():
-        raise UserError(f"{path}: no such file (dmltrain FILE.py runs the experiment FILE.py "
-                        "registers)")  # fmt: skip
+        raise UserError(
+            f"{path}: no such file (dmltrain FILE.py runs the experiment FILE.py registers)"
+        )
     sys.path.insert(0, str(path.resolve().parent))
     try:
         module = importlib.import_module(path.stem)
     except SyntaxError as exc:
         raise UserError(f"{path}, line {exc.lineno}: {exc.msg}") from None
     except Exception as exc:
-        frames = [f for f in traceback.extract_tb(exc.__traceback__) if f.filename == str(
-            path.resolve())]  # fmt: skip
+        frames = [
+            f for f in traceback.extract_tb(exc.__traceback__) if f.filename == str(path.resolve())
+        ]
         where = f", line {frames[-1].lineno}" if frames else ""
         raise UserError(f"importing {path} failed{where}: {type(exc).__name__}: {exc}") from None
     if Path(getattr(module, "__file__", "") or "").resolve() != path.resolve():
@@ -367,8 +370,9 @@ def _write_status(path: Path, status: int, trainer: BaseTrainer) -> None:
         pass
     except (OSError, NotWritten) as exc:
         why = exc if isinstance(exc, NotWritten) else f"cannot write {path}: {exc.strerror}"
-        print(f"dmltrain: error: --status-file: {why}; the exit status is {status}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"dmltrain: error: --status-file: {why}; the exit status is {status}", file=sys.stderr
+        )
 
 
 def _print_config_asked(argv: Sequence[str]) -> bool:

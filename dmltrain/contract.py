@@ -28,8 +28,9 @@ def datasets(result: Any) -> tuple[Any, Any]:
 def model(module: Any) -> None:
     """``create_model()``'s module, with something to train."""
     if not isinstance(module, nn.Module):
-        raise UserError(f"create_model must return a torch.nn.Module; it returned a "
-                        f"{type(module).__name__}")  # fmt: skip
+        raise UserError(
+            f"create_model must return a torch.nn.Module; it returned a {type(module).__name__}"
+        )
     if not any(p.requires_grad for p in module.parameters()):
         raise UserError(
             f"create_model returned a {type(module).__name__} with no trainable parameters; "

@@ -172,8 +172,11 @@ class Strategy:
         else:  # no store to call the roll through (Horovod): this host's ranks are looked up
             deadline = time.monotonic() + 3.0  # a killed process closes its sockets first
             while True:
-                missing = [r for r, (host, pid) in enumerate(self.peers)
-                           if host == here and peers.local_state(pid) != "running"]  # fmt: skip
+                missing = [
+                    r
+                    for r, (host, pid) in enumerate(self.peers)
+                    if host == here and peers.local_state(pid) != "running"
+                ]
                 if missing or time.monotonic() > deadline:
                     break
                 time.sleep(0.1)
@@ -194,9 +197,13 @@ class DDPStrategy(Strategy):
         interface = environment is not None and environment.socket_interface is not None
         # Kept, not made by init_method: the roll call after a failed collective uses it.
         self.store = preflight.rendezvous(
-            info.rank, info.world_size, info.master_addr, info.master_port,
-            self.config.dist_timeout, interface,
-        )  # fmt: skip
+            info.rank,
+            info.world_size,
+            info.master_addr,
+            info.master_port,
+            self.config.dist_timeout,
+            interface,
+        )
         dist.init_process_group(
             backend,
             store=self.store,

@@ -24,8 +24,11 @@ from torch import Tensor, nn
 class EMA:
     def __init__(self, model: nn.Module, decay: float, warmup_steps: int, every_steps: int):
         self.decay, self.warmup_steps, self.every_steps = decay, warmup_steps, every_steps
-        named = [(n, t) for n, t in [*model.named_parameters(), *model.named_buffers()]
-                 if t.is_floating_point()]  # fmt: skip
+        named = [
+            (n, t)
+            for n, t in [*model.named_parameters(), *model.named_buffers()]
+            if t.is_floating_point()
+        ]
         self.names = [name for name, _ in named]
         # FSDP's DTensor (None otherwise): its mesh and placements gather and shard the average
         self.sharded: list[Any] = [

@@ -96,8 +96,11 @@ def run_reporting_errors(fn: Callable[[], object], rank: int, world_size: int) -
         return 1
     except PeerLost as exc:
         resume = "the checkpoints are intact: run the same command to resume"
-        print(f"dmltrain: {who}stopping: {exc}; {resume} (exit status {EXIT_PEER_LOST})",
-              file=sys.stderr, flush=True)  # fmt: skip
+        print(
+            f"dmltrain: {who}stopping: {exc}; {resume} (exit status {EXIT_PEER_LOST})",
+            file=sys.stderr,
+            flush=True,
+        )
         return EXIT_PEER_LOST
     except Exception as exc:
         traceback.print_exc()

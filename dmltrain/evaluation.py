@@ -38,7 +38,7 @@ CHECK_EVERY = 8  # batches between the ranks' agreements on a preemption (--eval
 @dataclass(frozen=True)
 class Evaluator:
     """Runs a step over a loader's batches without gradients, under the run's precision.
-    The caller puts the model in eval mode (the trainer's ``evaluating_model``)."""
+    The caller puts the model in eval mode (the trainer's ``_evaluating_model``)."""
 
     strategy: Strategy
     precision: Precision

@@ -68,10 +68,22 @@ class DistInfo:
 
 # Variables worth recording at start (diagnostics.json), by prefix or exact name.
 RELEVANT = (
-    "SLURM_", "PBS_", "PALS_", "PMI_", "OMPI_COMM_WORLD_", "HOROVOD_", "TORCHELASTIC_",
-    "MASTER_", "NCCL_", "CUDA_VISIBLE_DEVICES", "WANDB_", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+    "SLURM_",
+    "PBS_",
+    "PALS_",
+    "PMI_",
+    "OMPI_COMM_WORLD_",
+    "HOROVOD_",
+    "TORCHELASTIC_",
+    "MASTER_",
+    "NCCL_",
+    "CUDA_VISIBLE_DEVICES",
+    "WANDB_",
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
     "OMP_NUM_THREADS",
-)  # fmt: skip
+)
 SECRET = re.compile(r"KEY|TOKEN|PASSWORD|SECRET|CREDENTIAL", re.IGNORECASE)
 
 

@@ -250,5 +250,13 @@ class Monitor:
             if new:
                 writer.writerow(["step", "rank", "host", "step_s", "data_wait_s", "compute_s"])
             for rank, (seconds, wait, compute) in enumerate(per_rank):
-                writer.writerow([step, rank, self.hosts[rank], f"{seconds / steps:.6g}",
-                                 f"{wait / steps:.6g}", f"{compute / steps:.6g}"])  # fmt: skip
+                writer.writerow(
+                    [
+                        step,
+                        rank,
+                        self.hosts[rank],
+                        f"{seconds / steps:.6g}",
+                        f"{wait / steps:.6g}",
+                        f"{compute / steps:.6g}",
+                    ]
+                )

@@ -20,8 +20,14 @@ import torch.distributed as dist
 from dmltrain.errors import UserError, first_line
 
 # What a collective's error says when another rank died, hangs or cannot be reached.
-_LOST = ("connection closed by peer", "connection reset", "timed out", "broken pipe",
-         "connection refused", "no route to host")  # fmt: skip
+_LOST = (
+    "connection closed by peer",
+    "connection reset",
+    "timed out",
+    "broken pipe",
+    "connection refused",
+    "no route to host",
+)
 
 
 def means_lost(exc: BaseException) -> bool:
@@ -50,8 +56,9 @@ def _within(seconds: float, ask: Callable[[], Any]) -> Any:
     on a link that is down, a store request waits for TCP to give up (many minutes),
     whatever its timeout."""
     result: list[Any] = [None]
-    thread = threading.Thread(target=lambda: result.__setitem__(0, ask()),
-                              name="dmltrain-store-request", daemon=True)  # fmt: skip
+    thread = threading.Thread(
+        target=lambda: result.__setitem__(0, ask()), name="dmltrain-store-request", daemon=True
+    )
     thread.start()
     thread.join(seconds)
     return result[0]

@@ -66,9 +66,11 @@ def plot_run(run_dir: Path, output: Path | None = None) -> Path:
         axis = next(extra)
         for rank in sorted({int(r["rank"]) for r in ranks}):
             mine = [r for r in ranks if int(r["rank"]) == rank]
-            axis.plot([r["step"] for r in mine],
-                      [1e3 * (r["data_wait_s"] + r["compute_s"]) for r in mine],
-                      label=f"rank {rank}")  # fmt: skip
+            axis.plot(
+                [r["step"] for r in mine],
+                [1e3 * (r["data_wait_s"] + r["compute_s"]) for r in mine],
+                label=f"rank {rank}",
+            )
         axis.set_ylabel("ms a step (data wait + train_step)")
         _finish(axis, "ranks.csv", legend=len(axis.lines) <= 16)
     left, right = axes[0], axes[1]
@@ -106,12 +108,14 @@ def plot_sweep(sweep_dir: Path, output: Path | None = None) -> Path:
     import matplotlib.pyplot as plt
 
     panels = len(metrics)
-    figure, axes = plt.subplots(1, panels, figsize=(SIZE[0] / 2 * panels, SIZE[1]), dpi=DPI,
-                                squeeze=False)  # fmt: skip
+    figure, axes = plt.subplots(
+        1, panels, figsize=(SIZE[0] / 2 * panels, SIZE[1]), dpi=DPI, squeeze=False
+    )
     for axis, metric in zip(axes[0], metrics, strict=True):
         for label, rows in logs.items():
-            axis.plot([r["epoch"] for r in rows], [r.get(metric) for r in rows], marker="o",
-                      label=label)  # fmt: skip
+            axis.plot(
+                [r["epoch"] for r in rows], [r.get(metric) for r in rows], marker="o", label=label
+            )
         axis.set_xlabel("epoch")
         axis.set_title(metric)
         axis.grid(alpha=0.3)

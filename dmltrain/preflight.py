@@ -32,8 +32,9 @@ def rendezvous(
     after a failed collective (``dmltrain.peers``). Failures are one line naming the node."""
     here = hostname()
     try:
-        store = dist.TCPStore(addr, port, world_size, is_master=rank == 0,
-                              timeout=datetime.timedelta(seconds=seconds))  # fmt: skip
+        store = dist.TCPStore(
+            addr, port, world_size, is_master=rank == 0, timeout=datetime.timedelta(seconds=seconds)
+        )
     except RuntimeError as exc:  # DistStoreError and the transport's timeouts
         raise _rendezvous_failed(exc, rank, f"{addr}:{port}", here, seconds) from None
     check(store, rank, world_size, here, interface_set)
@@ -100,8 +101,11 @@ def _problem(ranks: list[dict[str, Any]], interface_set: bool) -> str | None:
     """What is wrong with the ranks' hosts and versions (the same on every rank), or None."""
     hosts = {r["host"]: r for r in ranks}
     if len(hosts) > 1 and not interface_set:
-        loopback = [f"{h} ({r['address']})" for h, r in hosts.items()
-                    if (r["address"] or "").startswith("127.")]  # fmt: skip
+        loopback = [
+            f"{h} ({r['address']})"
+            for h, r in hosts.items()
+            if (r["address"] or "").startswith("127.")
+        ]
         if loopback:
             return (
                 f"the job spans {len(hosts)} hosts, and the name of {', '.join(loopback)} "

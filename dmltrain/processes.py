@@ -101,8 +101,13 @@ def spawn_fits(trainer_cls: type, name: str, config: Any, options: Any, parent: 
     they cannot (``start_method_for``)."""
     signals = config.preemption.signal_names()
     method = start_method_for(trainer_cls)
-    spawn(parent.world_size, _fit, (trainer_cls, name, config, options, parent, signals),
-          signals, method)  # fmt: skip
+    spawn(
+        parent.world_size,
+        _fit,
+        (trainer_cls, name, config, options, parent, signals),
+        signals,
+        method,
+    )
 
 
 def start_method_for(trainer_cls: type) -> str:
@@ -124,8 +129,10 @@ def start_method_for(trainer_cls: type) -> str:
         return "spawn"
     where = f"{trainer_cls.__qualname__} is defined where a new process cannot import it"
     if "fork" not in mp_start_methods():
-        raise UserError(f"{where}, and this platform cannot fork: move the class into a .py "
-                        "file and import it from there")  # fmt: skip
+        raise UserError(
+            f"{where}, and this platform cannot fork: move the class into a .py "
+            "file and import it from there"
+        )
     import torch
 
     if torch.cuda.is_initialized():
@@ -141,8 +148,15 @@ def mp_start_methods() -> list[str]:
     return multiprocessing.get_all_start_methods()
 
 
-def _fit(local_rank: int, trainer_cls: type, name: str, config: Any, options: Any,
-         parent: DistInfo, signals: list[str]) -> None:  # fmt: skip
+def _fit(
+    local_rank: int,
+    trainer_cls: type,
+    name: str,
+    config: Any,
+    options: Any,
+    parent: DistInfo,
+    signals: list[str],
+) -> None:
     # A fork holds the parent's signal handlers and exit handlers. Its preemption signals
     # are ignored until the trainer catches them (the parent passes them on then: _pass_on),
     # and the parent's exit handlers (a notebook kernel's) are not this process's to run.

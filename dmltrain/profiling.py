@@ -39,9 +39,13 @@ class Profiler:
     """One rank's profile: ``at(step)`` after each global step (and before the first)."""
 
     def __init__(
-        self, config: ProfilingConfig, directory: Path, rank: int, device: torch.device,
+        self,
+        config: ProfilingConfig,
+        directory: Path,
+        rank: int,
+        device: torch.device,
         show: Callable[[str], None] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.window, self.memory = config.window(), config.memory_snapshot
         self.directory, self.rank, self.device, self.show = directory, rank, device, show
         self._profile: Any = None
@@ -100,9 +104,14 @@ class Profiler:
 
 
 def out_of_memory(
-    exc: BaseException, directory: Path, rank: int, device: torch.device, step: int,
-    batch_size: int, precision: str,
-) -> UserError:  # fmt: skip
+    exc: BaseException,
+    directory: Path,
+    rank: int,
+    device: torch.device,
+    step: int,
+    batch_size: int,
+    precision: str,
+) -> UserError:
     """The one line for a CUDA out-of-memory error at global step ``step``, after writing
     the allocator's snapshot (its history too when ``--memory-snapshot`` recorded it)."""
     where = "no allocator snapshot (not on CUDA)"

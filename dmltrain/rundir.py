@@ -155,11 +155,19 @@ def write_outcome(run_dir: Path, exc: BaseException | None, global_step: int) ->
     """``outcome.json``: ``done`` (no exception), ``stopped`` (to go on in a later job),
     ``lost`` (a peer), ``nonfinite``, ``interrupted`` or ``failed``, with the message's
     first line, the global step and the time."""
-    kinds = ((StopForRequeue, "stopped"), (PeerLost, "lost"), (NonFiniteError, "nonfinite"),
-             (KeyboardInterrupt, "interrupted"))  # fmt: skip
+    kinds = (
+        (StopForRequeue, "stopped"),
+        (PeerLost, "lost"),
+        (NonFiniteError, "nonfinite"),
+        (KeyboardInterrupt, "interrupted"),
+    )
     status = "done" if exc is None else next((k for t, k in kinds if isinstance(exc, t)), "failed")
-    record = {"status": status, "message": "" if exc is None else first_line(exc),
-              "global_step": global_step, "time": time.strftime("%Y-%m-%dT%H:%M:%S")}  # fmt: skip
+    record = {
+        "status": status,
+        "message": "" if exc is None else first_line(exc),
+        "global_step": global_step,
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
     with contextlib.suppress(NotWritten):  # a full disk: the exit status still says it
         write_atomic(run_dir / OUTCOME, json.dumps(record) + "\n")
 

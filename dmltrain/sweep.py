@@ -72,8 +72,10 @@ def expand(space: dict[str, Any], trials: int, seed: int) -> list[dict[str, Any]
     grid = {name: entry for name, entry in space.items() if isinstance(entry, list)}
     drawn = {name: entry for name, entry in space.items() if not isinstance(entry, list)}
     if trials > 1 and not drawn:
-        raise UserError(f"--trials {trials}: the space has no random option ({{low, high}} or "
-                        "{values: [...]}) to draw; leave --trials out for a grid")  # fmt: skip
+        raise UserError(
+            f"--trials {trials}: the space has no random option ({{low, high}} or "
+            "{values: [...]}) to draw; leave --trials out for a grid"
+        )
     generator = random.Random(seed)
     out = []
     for combination in itertools.product(*grid.values()):
@@ -116,9 +118,11 @@ def flags(options: dict[str, Any]) -> list[str]:
 
 
 def check_trials(
-    trials: list[dict[str, Any]], fixed: list[str], experiment: str,
+    trials: list[dict[str, Any]],
+    fixed: list[str],
+    experiment: str,
     check_flags: Callable[[list[str]], object],
-) -> None:  # fmt: skip
+) -> None:
     """Each trial's command line parsed as the experiment would; the first refused is one
     line naming the trial and the option."""
     for i, options in enumerate(trials):
@@ -140,8 +144,10 @@ def _read_json(path: Path) -> dict[str, Any]:
     try:
         found = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise UserError(f"{path} cannot be read ({first_line(exc)}): restore it, or start "
-                        "the sweep again under another --name") from None  # fmt: skip
+        raise UserError(
+            f"{path} cannot be read ({first_line(exc)}): restore it, or start "
+            "the sweep again under another --name"
+        ) from None
     if not isinstance(found, dict):
         raise UserError(f"{path} is not a sweep's record: restore it, or use another --name")
     return found

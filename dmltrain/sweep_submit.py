@@ -28,43 +28,58 @@ from dmltrain.sweep import Sweep, best, check_trials, expand, given, load_space
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "experiment", help="the experiment (its flags follow, the same for every trial), or "
-        "'status DIR [--best-metric M] [--best-mode min|max]' for a sweep's table"
-    )  # fmt: skip
+        "experiment",
+        help="the experiment (its flags follow, the same for every trial), or "
+        "'status DIR [--best-metric M] [--best-mode min|max]' for a sweep's table",
+    )
     sweep = parser.add_argument_group("the sweep (the other flags go to every trial)")
     sweep.add_argument("--space", help="the options to vary (YAML): lists, {values}, {low, high}")
     sweep.add_argument(
-        "--trials", type=int, default=1,
+        "--trials",
+        type=int,
+        default=1,
         help="draws of the random options ({values}, {low, high}) per grid point (default 1)",
-    )  # fmt: skip
+    )
     sweep.add_argument("--space-seed", type=int, default=0, help="seed of those draws")
     sweep.add_argument(
         "--name", help="the sweep's directory runs/NAME (default: EXPERIMENT-sweep-TIME)"
     )
     sweep.add_argument("--local", action="store_true", help="run the trials on this machine")
     sweep.add_argument(
-        "--system", choices=["slurm", "pbs"], default="slurm",
+        "--system",
+        choices=["slurm", "pbs"],
+        default="slurm",
         help="submit a Slurm job array (default) or a PBS array job (qsub -J)",
-    )  # fmt: skip
+    )
     sweep.add_argument(
-        "--parallel", type=int, default=1,
+        "--parallel",
+        type=int,
+        default=1,
         help="with --local: trials at once (their CPU threads split; default 1)",
-    )  # fmt: skip
+    )
     sweep.add_argument(
-        "--max-parallel", type=int, default=0,
+        "--max-parallel",
+        type=int,
+        default=0,
         help="array tasks running at once (sbatch --array=...%%K; default: no limit)",
-    )  # fmt: skip
+    )
     sweep.add_argument(
-        "--trials-per-task", type=int, default=1,
+        "--trials-per-task",
+        type=int,
+        default=1,
         help="trials side by side in one array task (one process each; the task's GPUs, "
         "else its CPU threads, split among them; default 1)",
-    )  # fmt: skip
+    )
     sweep.add_argument("--dry-run", action="store_true", help="write the script; do not submit")
     submit.add_resources(parser.add_argument_group("each array task's resources"))
 
 
-def run(args: argparse.Namespace, flags: Sequence[str], check_flags: Callable[[list[str]], object],
-        options_of: Callable[[str], set[str]]) -> int:  # fmt: skip
+def run(
+    args: argparse.Namespace,
+    flags: Sequence[str],
+    check_flags: Callable[[list[str]], object],
+    options_of: Callable[[str], set[str]],
+) -> int:
     """``dmltrain sweep``: ``flags`` are the experiment's; ``options_of(experiment)`` its
     option names; ``check_flags`` parses a command line as ``dmltrain`` would."""
     if args.experiment == "status":
@@ -82,8 +97,10 @@ def run(args: argparse.Namespace, flags: Sequence[str], check_flags: Callable[[l
     if args.trials_per_task > 1 and args.system == "pbs":
         raise UserError("--trials-per-task is for Slurm arrays; on PBS leave it out")
     if args.trials_per_task > 1 and (args.nodes != 1 or args.tasks_per_node > 1 or args.script):
-        raise UserError("--trials-per-task runs its trials as processes of one task on one node: "
-                        "leave out --nodes, --tasks-per-node and --script")  # fmt: skip
+        raise UserError(
+            "--trials-per-task runs its trials as processes of one task on one node: "
+            "leave out --nodes, --tasks-per-node and --script"
+        )
     space = load_space(Path(args.space), options_of(args.experiment))
     trials = expand(space, args.trials, args.space_seed)
     check_flags([args.experiment, *fixed])  # the fixed flags alone: their own error first
@@ -92,8 +109,10 @@ def run(args: argparse.Namespace, flags: Sequence[str], check_flags: Callable[[l
     sweep = Sweep(Path("runs") / (args.name or f"{args.experiment}-sweep-{stamp}"))
     sweep.create(args.experiment, fixed, trials)
     left = sweep.left()
-    print(f"dmltrain sweep: {len(trials)} trial(s) in {sweep.directory} ({sweep.directory}/"
-          f"trials.csv); {len(left)} not done")  # fmt: skip
+    print(
+        f"dmltrain sweep: {len(trials)} trial(s) in {sweep.directory} ({sweep.directory}/"
+        f"trials.csv); {len(left)} not done"
+    )
     if not left:
         print("dmltrain sweep: every trial is done; nothing to run")
         return 0
@@ -115,8 +134,9 @@ def run_local(sweep: Sweep, left: list[int], parallel: int) -> int:
             args = [*args, "--threads", str(threads)]
         with open(sweep.trial_dir(i) / "output.log", "a") as log:
             while True:
-                code = subprocess.run([sys.executable, "-m", "dmltrain", *args], stdout=log,
-                                      stderr=subprocess.STDOUT).returncode  # fmt: skip
+                code = subprocess.run(
+                    [sys.executable, "-m", "dmltrain", *args], stdout=log, stderr=subprocess.STDOUT
+                ).returncode
                 if code != EXIT_REQUEUE:
                     break
         print(f"dmltrain sweep: trial {i}: {sweep.outcome(i)} (exit status {code})", flush=True)
@@ -127,8 +147,10 @@ def run_local(sweep: Sweep, left: list[int], parallel: int) -> int:
     sweep.write_table()
     failed = [i for i, code in zip(left, codes, strict=True) if code != 0]
     if failed:
-        print(f"dmltrain sweep: trial(s) {', '.join(map(str, failed))} failed: see their "
-              "output.log", file=sys.stderr)  # fmt: skip
+        print(
+            f"dmltrain sweep: trial(s) {', '.join(map(str, failed))} failed: see their output.log",
+            file=sys.stderr,
+        )
         return 1
     return 0
 
@@ -193,8 +215,10 @@ def _send(sweep: Sweep, command: list[str], what: str, args: argparse.Namespace)
         raise UserError(f"{tool} refused the array: {done.stderr.strip() or done.stdout}")
     job = done.stdout.strip().splitlines()[0].split(";")[0]
     sweep.add_job(job)
-    print(f"dmltrain sweep: submitted {what.replace('(', f'{job} (', 1)}; "
-          f"dmltrain sweep status {sweep.directory}")  # fmt: skip
+    print(
+        f"dmltrain sweep: submitted {what.replace('(', f'{job} (', 1)}; "
+        f"dmltrain sweep status {sweep.directory}"
+    )
     return 0
 
 
@@ -208,8 +232,11 @@ def task_command(argv: list[str]) -> int:
     extra = argv[3:]  # what the batch script adds (--no-requeue)
     sweep = Sweep(directory)
     count = len(sweep.load()["trials"])
-    trials = [i for i in range(task * per_task, min((task + 1) * per_task, count))
-              if sweep.outcome(i) != "done"]  # fmt: skip
+    trials = [
+        i
+        for i in range(task * per_task, min((task + 1) * per_task, count))
+        if sweep.outcome(i) != "done"
+    ]
     if not trials:
         return 0
     try:
@@ -227,8 +254,9 @@ def task_command(argv: list[str]) -> int:
         if not gpus and not given(args, "--threads"):
             args += ["--threads", str(threads)]
         print(f"dmltrain sweep: task {task} starts trial {trial}", flush=True)
-        children.append(subprocess.Popen([sys.executable, "-m", "dmltrain", *args],
-                                         env=child_env(gpus)))  # fmt: skip
+        children.append(
+            subprocess.Popen([sys.executable, "-m", "dmltrain", *args], env=child_env(gpus))
+        )
     while any(child.poll() is None for child in children):
         while received:  # passed on from here, not from the handler
             number = received.pop(0)
@@ -286,8 +314,9 @@ def scheduler_states(jobs: list[str]) -> dict[int, str]:
     jobs = [job for job in jobs if "[" not in job]  # Slurm's (PBS array ids hold "[]")
     if not jobs or shutil.which("squeue") is None:
         return {}
-    done = subprocess.run(["squeue", "-h", "-r", "-j", ",".join(jobs), "-o", "%i %T"],
-                          capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run(
+        ["squeue", "-h", "-r", "-j", ",".join(jobs), "-o", "%i %T"], capture_output=True, text=True
+    )
     states = {}
     for line in done.stdout.splitlines():
         task, _, state = line.partition(" ")
@@ -312,8 +341,10 @@ def status(sweep: Sweep, metric: str, mode: str) -> int:
     if top is None:
         print(f"dmltrain sweep: no trial has validated {metric} yet")
     else:
-        print(f"dmltrain sweep: best trial {top['trial']} ({metric} {top[metric]:.6g}): "
-              f"{sweep.trial_dir(top['trial'])}")  # fmt: skip
+        print(
+            f"dmltrain sweep: best trial {top['trial']} ({metric} {top[metric]:.6g}): "
+            f"{sweep.trial_dir(top['trial'])}"
+        )
     return 0
 
 

@@ -190,8 +190,9 @@ class TrackerStart:
 
 
 def _wandb(start: TrackerStart) -> Tracker:
-    return create_tracker(start.settings, start.run_dir, start.run_id, start.experiment,
-                          start.config, start.say)  # fmt: skip
+    return create_tracker(
+        start.settings, start.run_dir, start.run_id, start.experiment, start.config, start.say
+    )
 
 
 def _tensorboard(start: TrackerStart) -> Tracker:
@@ -229,8 +230,9 @@ def create_trackers(
     found = installed() if set(names) - set(BUILT_IN) else {}
     made: dict[str, Tracker] = {}
     for name in names:
-        start = TrackerStart(settings, run_dir, run_ids.get(name), global_step, experiment,
-                             config, say)  # fmt: skip
+        start = TrackerStart(
+            settings, run_dir, run_ids.get(name), global_step, experiment, config, say
+        )
         if name in BUILT_IN:
             made[name] = BUILT_IN[name](start)
             continue
@@ -240,8 +242,10 @@ def create_trackers(
             say(f"dmltrain: the tracker {name} could not start ({first_line(exc)}): it is off")
             continue
         if not isinstance(tracker, Tracker):
-            say(f"dmltrain: the tracker {name} made a {type(tracker).__name__}, not a "
-                "dmltrain.Tracker: it is off")  # fmt: skip
+            say(
+                f"dmltrain: the tracker {name} made a {type(tracker).__name__}, not a "
+                "dmltrain.Tracker: it is off"
+            )
             continue
         made[name] = _Installed(tracker, name, say)
     return Trackers(made)

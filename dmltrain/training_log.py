@@ -60,8 +60,9 @@ class StepsLog:
         try:
             with open(self.path, mode, newline="") as handle:
                 size = handle.tell()  # where this append starts (0 when rewritten)
-                writer = csv.DictWriter(handle, fieldnames=self.columns, extrasaction="ignore",
-                                        lineterminator="\n")  # fmt: skip
+                writer = csv.DictWriter(
+                    handle, fieldnames=self.columns, extrasaction="ignore", lineterminator="\n"
+                )
                 if mode == "w":
                     writer.writeheader()
                 writer.writerows(rows)
@@ -70,8 +71,10 @@ class StepsLog:
                 os.truncate(self.path, size)
             if not self.warned:
                 self.warned = True
-                self.warn(f"{why_not_written(self.path, exc)}; its rows are left out until "
-                          "there is room again, training goes on")  # fmt: skip
+                self.warn(
+                    f"{why_not_written(self.path, exc)}; its rows are left out until "
+                    "there is room again, training goes on"
+                )
 
     def write(self, row: dict[str, Any]) -> None:
         """One row; its columns are the first row's (a later new column is left out)."""

@@ -100,8 +100,18 @@ class Watchdog:
         line goes to stderr."""
         shortest, longest = limits(config.hang_timeout, config.dist_timeout)
         grace = config.dist_timeout + GRACE if dist.world_size > 1 else 0.0  # no collective
-        return cls(clock, run_dir, dist.rank, dist.world_size, host, shortest, longest, grace,
-                   lambda line: print(line, file=sys.stderr, flush=True), nccl_dump)  # fmt: skip
+        return cls(
+            clock,
+            run_dir,
+            dist.rank,
+            dist.world_size,
+            host,
+            shortest,
+            longest,
+            grace,
+            lambda line: print(line, file=sys.stderr, flush=True),
+            nccl_dump,
+        )
 
     def start(self) -> None:
         self._thread.start()
@@ -214,11 +224,14 @@ class Watchdog:
         odd = [r for r in found.values() if r["steps"] != most or r["in_train_step_s"] is not None]
         parts = [
             f"rank {r['rank']} on {r['host']} "
-            + (f"is inside train_step for {r['in_train_step_s'] + now - r['written_at']:.0f} s"
-               if r["in_train_step_s"] is not None else f"is after {r['steps']} step(s)")
+            + (
+                f"is inside train_step for {r['in_train_step_s'] + now - r['written_at']:.0f} s"
+                if r["in_train_step_s"] is not None
+                else f"is after {r['steps']} step(s)"
+            )
             + f" at {r['frame']}"
             for r in sorted(odd, key=lambda r: r["rank"])
-        ]  # fmt: skip
+        ]
         silent = [str(rank) for rank in range(self.world_size) if rank not in found]
         if silent:
             parts.append(f"no stack from rank(s) {', '.join(silent)}")
@@ -229,8 +242,12 @@ class Watchdog:
 def _user_frame(frames: Iterable[traceback.FrameSummary]) -> str:
     """The innermost frame outside torch, dmltrain and the standard library's threading
     and multiprocessing: the experiment's code the rank is in (or where it called in)."""
-    library = (f"{os.sep}torch{os.sep}", f"{os.sep}dmltrain{os.sep}", "threading.py",
-               f"{os.sep}multiprocessing{os.sep}")  # fmt: skip
+    library = (
+        f"{os.sep}torch{os.sep}",
+        f"{os.sep}dmltrain{os.sep}",
+        "threading.py",
+        f"{os.sep}multiprocessing{os.sep}",
+    )
     for frame in reversed(list(frames)):
         if not any(part in frame.filename for part in library):
             return f"{frame.filename}:{frame.lineno} in {frame.name}"

@@ -50,6 +50,7 @@ QUICK = (
     "test_callback.py",
     "test_config.py",
     "test_data.py",
+    "test_features.py",
     "test_launch.py",
     "test_metrics.py",
     "test_mnist_data.py",

@@ -1,0 +1,345 @@
+"""How a trainer's parts are made and wired before the loop runs (``TrainerSetup.setup``):
+processes, run directory, model, data, optimizers, state, checkpoints, the step, the
+built-in features and the callbacks, records.
+
+The order of every random draw and collective here is part of the bitwise promise:
+seed, ``create_model``, per-rank seed, wrap, EMA copy, compile, loaders, optimizers.
+"""
+
+import dataclasses
+import math
+from functools import partial
+from typing import Any
+
+import torch
+
+from dmltrain import (
+    callback,
+    contract,
+    data,
+    diagnostics,
+    evaluation,
+    launch,
+    monitor,
+    preemption,
+    profiling,
+    rng,
+    rundir,
+    threads,
+)
+from dmltrain.budget import Budget, total_steps
+from dmltrain.callback import Events
+from dmltrain.checkpointer import Checkpointer, Saved
+from dmltrain.config import as_plain, to_yaml
+from dmltrain.distributed import unwrap
+from dmltrain.ema import EMA
+from dmltrain.errors import UserError
+from dmltrain.features import (
+    EmaFeature,
+    Features,
+    ProfilerFeature,
+    StepsLogFeature,
+    WatchdogFeature,
+)
+from dmltrain.loop import TrainingLoop
+from dmltrain.monitor import Monitor, StepClock, peak_flops
+from dmltrain.nan import NanChecker
+from dmltrain.precision import Precision
+from dmltrain.progress import Progress
+from dmltrain.state import TrainState
+from dmltrain.step import ManualStep, OptimizerStep, check_first_forward
+from dmltrain.tracking import create_trackers
+from dmltrain.training_log import StepsLog
+from dmltrain.watchdog import Watchdog
+
+
+class TrainerSetup(TrainingLoop):
+    """``setup``: everything ``fit`` needs, made in the order the bitwise promise fixes."""
+
+    _ranks: list[dict[str, Any]]  # what each rank reported at start (diagnostics.this_rank)
+    _nan_checker: NanChecker | None
+    _run_dir_held: rundir.Held
+    environment: launch.RunEnvironment
+    options: Any
+    name: str
+
+    def setup(self) -> None:
+        """Processes, run directory, model, data, optimizer, state: everything ``fit`` needs."""
+        self.dist = self.strategy.setup(self.environment)
+        self.device = torch.device(self.dist.device)
+        cfg, loop, dist = self.config, self.config.loop, self.dist
+        self._progress = Progress(
+            loop.progress, dist.is_main, loop.log_every, world_size=dist.world_size
+        )
+        evaluating = cfg.checkpoint.evaluating  # --evaluate/--predict: no training
+        name = self.name + ("-eval" if evaluating else "")
+        # a requeued job may start while the job before it is still ending
+        self.run_dir, self._run_dir_held = rundir.choose(
+            loop.run_dir,
+            lambda: rundir.default_path(name, dist.job_id),
+            cfg.checkpoint.resume,
+            dist.is_main,
+            self.strategy.broadcast_object,
+            evaluating=bool(evaluating),
+            wait=60.0 if dist.job_id else 0.0,
+        )
+        self.config = cfg = cfg.replace(run_dir=str(self.run_dir))
+        # Every rank's host and CPUs: each takes its share of its cores (dmltrain.threads).
+        self._ranks = self.strategy.all_gather_object(diagnostics.this_rank(dist, self.environment))
+        cuda = self.device.type == "cuda"
+        threads.assign(cfg.distributed.threads, cfg.data.num_workers, self._ranks, cuda)
+        torch.set_num_threads(self._ranks[dist.rank]["threads"])
+        self.config = cfg = cfg.replace(num_workers=self._ranks[dist.rank]["workers"])  # no "auto"
+        self._precision = Precision(cfg.numerics.precision, self.device)
+        profiler = self._profiler_feature()  # before the model: its memory is recorded
+        self._features = Features([profiler] if profiler is not None else [])
+        self._evaluator = evaluation.Evaluator(self.strategy, self._precision, self.device)
+        torch.manual_seed(loop.seed)  # the same initial weights on every rank
+        model = self.create_model()
+        contract.model(model)
+        model = model.to(self.device)
+        rng.seed_everything(loop.seed + dist.rank)  # per-rank dropout, augmentation
+        self.model = self.strategy.wrap_model(
+            model, self.fsdp_units(model), self._precision.dtype, self.manual_optimization
+        )
+        ema = None
+        if loop.ema_decay and not evaluating:
+            ema = EMA(
+                unwrap(self.model), loop.ema_decay, loop.ema_warmup_steps, loop.ema_every_steps
+            )
+        # best.pt and early stopping follow the average's metric when it is validated
+        self._best_metric = cfg.checkpoint.best_metric
+        if ema is not None and loop.ema_eval and self._best_metric.startswith("val_"):
+            self._best_metric = "val_ema_" + self._best_metric[4:]
+        if loop.compile:
+            self.model = torch.compile(self.model)  # type: ignore[assignment]
+        self._setup_data()
+        self.total_steps = total_steps(loop, math.ceil(len(self.train_loader) / loop.grad_accum))
+        made = contract.several(self.create_optimizer(self.model), "create_optimizer")
+        self.optimizers = tuple(
+            self.strategy.wrap_optimizer(o, self.model, loop.grad_accum, self.manual_optimization)
+            for o in made
+        )
+        self.optimizer = self.optimizers[0]
+        single = len(self.optimizers) == 1
+        self.scheduler = self.create_scheduler(self.optimizer if single else self.optimizers)
+        self._schedulers = (
+            () if self.scheduler is None else contract.several(self.scheduler, "create_scheduler")
+        )
+        self._state = TrainState(self.device)  # on the device chosen by the strategy
+        checks = cfg.numerics
+        self._nan_checker = None
+        if checks.check_nans:
+            self._nan_checker = NanChecker(
+                unwrap(self.model),
+                dist.rank,
+                dist.world_size,
+                self.device,
+                self.strategy.all_reduce_sum,
+                self.strategy.all_gather_object,
+                self.run_dir / "nan_report.txt",
+            )
+        callbacks = (
+            [] if evaluating else callback.create(self.create_callbacks(), loop.callback_names())
+        )
+        self._events = Events(callbacks)
+        self._fire(self._events.on_setup)
+        states = {} if evaluating else callback.states(callbacks, self.create_states())
+        saved = Saved(
+            self.model, self.optimizers, self._schedulers, self._precision, self._state, ema, states
+        )
+        plain = as_plain(cfg, self.options)  # what checkpoints and records hold of the config
+        restoring = cfg.checkpoint
+        if evaluating:  # the named checkpoint's weights alone; this run saves nothing
+            restoring = dataclasses.replace(
+                restoring,
+                resume="never",
+                load_weights=evaluating,
+                evaluate=None,
+                predict=None,
+                load_optimizer=False,
+                load_scheduler=False,
+                load_scaler=False,
+                load_epoch=False,
+            )
+        self._checkpointer = Checkpointer(
+            restoring,
+            self.run_dir / "checkpoints",
+            saved,
+            self.strategy,
+            plain,
+            self._progress.info,
+            self.warn,
+        )
+        self._checkpointer.restore()
+        if evaluating:
+            return
+        self._budget = Budget(
+            loop,
+            self._state,
+            self._best_metric,
+            cfg.checkpoint.best_mode,
+            cfg.preemption.epochs_per_job,
+            self.warn,
+        )
+        if checks.check_nans and checks.on_nan == "rollback" and self._state.global_step == 0:
+            self._checkpointer.save(best=False)  # something to roll back to from step 1
+        self._step_clock = StepClock(self.device, timing=cfg.tracking.monitor)
+        self._start_monitor()
+        self._make_step()
+        watchdog = self._watchdog_feature()
+        steps_log = self._start_records(plain)
+        # Run order, part of the bitwise promise: the EMA update first at a step's end.
+        ema_feature = None if ema is None else EmaFeature(ema, loop.ema_eval)
+        built_in = [f for f in (ema_feature, profiler, watchdog, steps_log) if f is not None]
+        self._features = Features(built_in)
+        self._checkpointer.quiet = self._features.quiet
+        self._events = Events([*built_in, *callbacks])
+
+    def _make_step(self) -> None:
+        """One optimizer step's parts (``dmltrain.step``): automatic, or ``train_step``'s own
+        updates (``manual_optimization``)."""
+        loop, checks = self.config.loop, self.config.numerics
+        nan_checker = self._nan_checker
+        on_nan = lambda event: nan_checker.act(  # type: ignore[union-attr]  # noqa: E731
+            event, checks.on_nan, self._progress.info, self._checkpointer.newest
+        )
+        parts: dict[str, Any] = dict(
+            train_step=self._step_clock.timed(self.train_step),
+            model=self.model,
+            optimizers=self.optimizers,
+            schedulers=self._schedulers if self.scheduler_interval == "step" else (),
+            precision=self._precision,
+            strategy=self.strategy,
+            state=self._state,
+            device=self.device,
+            grad_clip=loop.grad_clip,
+            detect_anomaly=checks.detect_anomaly,
+            nan_checker=nan_checker,
+            on_nan=on_nan,
+            # the callbacks' on_before_optimizer_step, bound to the trainer
+            before_update=tuple(
+                partial(call, self) for call in self._events.on_before_optimizer_step
+            ),
+        )
+        if self.manual_optimization:
+            self._step = ManualStep(**parts)
+        else:
+            self._step = OptimizerStep(on_after_backward=self.on_after_backward, **parts)
+            check_first_forward(self._step, self.strategy.sync_wrapper(self.model))
+
+    def _setup_data(self) -> None:
+        """prepare_data on one process per node, then every rank's datasets and loaders."""
+        if self.dist.is_local_main:
+            self.prepare_data()
+        self.strategy.barrier()
+        train_set, val_set = contract.datasets(self.create_datasets())
+        if len(train_set) == 0:
+            raise UserError("the training dataset is empty: check --data-dir")
+        seed = self.config.loop.seed
+        self.train_loader = self.create_dataloader(data.keyed(train_set, seed), train=True)
+        self.val_loader = None
+        if val_set is not None and len(val_set) == 0:
+            raise UserError(
+                "the validation dataset is empty: check --data-dir, or return None for it "
+                "from create_datasets to train without validation"
+            )
+        if val_set is not None:
+            self.val_loader = self.create_dataloader(data.keyed(val_set, seed), train=False)
+
+    def _profiler_feature(self) -> ProfilerFeature | None:
+        """This rank's profiler when --profile-ranks names it (the lowest shows its table)."""
+        cfg, dist = self.config, self.dist
+        profiled = cfg.profiling.profiled(dist.world_size)
+        if dist.rank not in profiled:
+            return None
+        show = None
+        if dist.rank == profiled[0]:
+            show = self._progress.info if dist.is_main else print
+        profiler = profiling.Profiler(
+            cfg.profiling, self.run_dir / "profile", dist.rank, self.device, show
+        )
+        return ProfilerFeature(profiler)
+
+    def _start_monitor(self) -> None:
+        """What is made of the step clocks at each log interval (``monitor``)."""
+        cfg, dist, me = self.config, self.dist, self._ranks[self.dist.rank]
+        hint = monitor.workers_hint(me["threads"] + me["workers"], me["workers"])  # its own CPUs
+        self._monitor = Monitor(
+            self._step_clock,
+            self.strategy.max_over_ranks,
+            dist.rank,
+            [entry["host"] for entry in self._ranks],
+            cfg.tracking.straggler_factor,
+            self.warn,
+            self.run_dir / "ranks.csv" if dist.is_main and dist.world_size > 1 else None,
+            self.flops_per_sample(),
+            peak_flops(self.device, cfg.numerics.precision),
+            hint,
+            dist.world_size * cfg.loop.batch_size * cfg.loop.grad_accum,
+        )
+
+    def _watchdog_feature(self) -> WatchdogFeature | None:
+        """The hang watchdog (--hang-watchdog), reading the step clock from its thread."""
+        cfg, dist = self.config, self.dist
+        if not cfg.distributed.hang_watchdog:
+            return None
+        watchdog = Watchdog.for_run(
+            self._step_clock,
+            self.run_dir,
+            dist,
+            self._ranks[dist.rank]["host"],
+            cfg.distributed,
+            self.strategy.flight_recorder(),
+        )
+        return WatchdogFeature(watchdog)
+
+    def _start_records(self, plain: dict[str, Any]) -> StepsLogFeature | None:
+        """config.yaml, diagnostics, steps.csv and the tracker (rank 0); the Slurm deadline
+        (all ranks)."""
+        deadline, steps_log = None, None
+        if self.dist.is_main:
+            text = to_yaml(self.config, self.options, f"{self.name} options")
+            self._progress.info(
+                f"dmltrain: {self.name} -> {self.run_dir} (options: config.yaml there; "
+                "--print-config prints them)"
+            )
+            strategy = self.strategy
+            info = diagnostics.collect(
+                self._ranks,
+                self.dist,
+                strategy.name,
+                strategy.backend(),
+                type(self),
+                plain,
+                self.environment,
+            )
+            info["world_size_changes"] = self._state.world_size_changes
+            info["training"] = diagnostics.training(
+                unwrap(self.model),
+                self.train_loader,
+                self.val_loader,
+                self.config.loop,
+                self.dist.world_size,
+                self.config.numerics.precision,
+            )
+            self._progress.info(rundir.write_records(self.run_dir, text, info))
+            steps_log = StepsLogFeature(
+                StepsLog(self.run_dir / "steps.csv", self._state.global_step, self.warn)
+            )
+            self._tracker = create_trackers(
+                self.config.tracking,
+                self.environment.wandb_mode,
+                self.run_dir,
+                self._state.tracker_run_ids,
+                self._state.global_step,
+                self.name,
+                plain,
+                self._progress.info,
+            )
+            self._state.tracking_run_id = self._tracker.run_id
+            self._state.tracker_run_ids = self._tracker.run_ids
+            minutes = self.config.preemption.stop_before_end_minutes  # rank 0 asks Slurm, once
+            deadline = preemption.stop_deadline(self.dist.job_id, minutes, self.warn)
+        self._watcher.deadline = self.strategy.broadcast_object(deadline)
+        return steps_log

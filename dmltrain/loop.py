@@ -1,0 +1,272 @@
+"""The training loop: epochs of steps, each epoch's row, and the stops the ranks agree on.
+
+``_train`` runs the epochs until a budget is spent (``budget``), ``_train_epoch`` the
+steps (``step``), ``_epoch_row`` and ``_close_epoch`` an epoch's end. What is optional
+(EMA, profiler, watchdog, steps.csv) and the experiment's callbacks plug in through
+the events (``callback``, ``features``); the loop names no feature.
+"""
+
+import contextlib
+import math
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+from torch.utils.data import DataLoader
+
+from dmltrain import data, evaluation, preemption
+from dmltrain.batches import chunks
+from dmltrain.budget import Budget, Done
+from dmltrain.callback import Events
+from dmltrain.checkpointer import Checkpointer
+from dmltrain.features import Features
+from dmltrain.files import NotWritten
+from dmltrain.hooks import TrainerHooks
+from dmltrain.launch import DistInfo
+from dmltrain.monitor import Monitor, StepClock
+from dmltrain.nan import NanEvent
+from dmltrain.precision import Precision
+from dmltrain.progress import Progress
+from dmltrain.state import TrainState
+from dmltrain.step import ManualStep, OptimizerStep
+from dmltrain.tracking import Tracker
+from dmltrain.training_log import write_training_log
+
+
+class TrainingLoop(TrainerHooks):
+    """The loop of ``BaseTrainer``; its parts are made by ``TrainerSetup.setup``."""
+
+    dist: DistInfo
+    model: nn.Module
+    optimizers: tuple[Any, ...]  # create_optimizer's, wrapped by the strategy
+    optimizer: Any  # the first of them
+    scheduler: Any  # create_scheduler's
+    _schedulers: tuple[Any, ...]
+    train_loader: DataLoader
+    val_loader: DataLoader | None
+    run_dir: Path
+    total_steps: int  # optimizer steps by --epochs and --max-steps, known before the first
+    _state: TrainState  # epoch, steps, best value, log rows (what a checkpoint holds)
+    _progress: Progress
+    _checkpointer: Checkpointer
+    _watcher: preemption.PreemptionWatcher
+    _agreement: preemption.AgreementSchedule
+    _step_clock: StepClock  # each step's time in the loader and in train_step
+    _monitor: Monitor  # throughput, data stalls, stragglers at each log interval
+    _best_metric: str  # of the training log: best.pt and early stopping
+    _budget: Budget  # when the run is done: epochs, steps, time, early stopping
+    _precision: Precision
+    _step: OptimizerStep | ManualStep  # one optimizer step (dmltrain.step)
+    _evaluator: evaluation.Evaluator  # validation, --evaluate and --predict over a loader
+    _events: Events  # the callbacks' listeners, built-in features first
+    _features: Features  # the built-in features' own points
+    _tracker: Tracker  # rank 0's trackers (an inactive one elsewhere)
+    _epochs_this_job: int
+
+    def warn(self, message: str) -> None:
+        """A warning on stderr; ranks other than 0 prefix theirs with their rank."""
+        prefix = "" if self.dist.is_main else f"[rank {self.dist.rank}] "
+        print(f"{prefix}WARNING: {message}", file=sys.stderr, flush=True)
+
+    def _train(self) -> str | None:
+        """The run, epoch by epoch, until it is done (``budget``). Returns why it stopped
+        before that (to go on in a later job), or None when it is done."""
+        epochs, s, budget = self.config.loop.epochs, self._state, self._budget
+        self.on_train_start()
+        self._fire(self._events.on_train_start)
+        budget.start()
+        before = budget.reason(budget.time_done()) or budget.stopped_early()
+        if s.epoch >= epochs or before:  # e.g. a later job of a chain
+            self._progress.info(
+                f"dmltrain: the run is done already ({before or f'{epochs} epoch(s)'}); "
+                "nothing left to train (raise the limit to go on)"
+            )
+        done = before
+        self._epochs_this_job = 0
+        while s.epoch < epochs and done is None:
+            epoch, started = s.epoch, time.perf_counter()
+            self.on_epoch_start(epoch)
+            self._fire(self._events.on_epoch_start)
+            outcome = self._train_epoch()
+            if isinstance(outcome, NanEvent):  # --on-nan rollback
+                self._checkpointer.rollback(outcome.epoch, outcome.step)
+                continue
+            if isinstance(outcome, str):  # preempted; the checkpoint is saved
+                return outcome
+            best, done = False, None
+            if not (outcome and outcome.validated):
+                with self._features.quiet():
+                    row, best, done = self._epoch_row(epoch, started, partial=outcome is not None)
+                    if outcome is None:
+                        self._close_epoch(epoch, row)
+            timed = budget.time_agreed(self.strategy.max_over_ranks)
+            done = done or (outcome and outcome.reason) or budget.reason(timed)
+            stop = None if done else budget.job_done(self._epochs_this_job)
+            last = s.epoch >= epochs or done is not None
+            self._checkpointer.save(best, must=stop is not None or last)  # every epoch's end
+            if stop is not None:
+                return stop
+        if done and not before:
+            self._progress.info(f"dmltrain: done: {done}")
+        self.on_train_end()
+        self._fire(self._events.on_train_end)
+        self._checkpointer.wait()
+        return None
+
+    def _train_epoch(self) -> str | NanEvent | Done | None:
+        """The epoch's steps from where the run is. Returns why the run stops here
+        (preempted), the non-finite step to roll back from, the budget that ended the run
+        in the epoch, or None at the epoch's end."""
+        loop, s, clock = self.config.loop, self._state, self._step_clock
+        epoch, started = s.epoch + 1, time.perf_counter()  # 1-based, as printed and logged
+        self.model.train()
+        sampler = self.train_loader.sampler
+        if isinstance(sampler, data.ResumableSampler):
+            sampler.set_epoch(s.epoch)
+            sampler.start = s.step_in_epoch * loop.grad_accum * loop.batch_size
+        # the steps left (the sampler starts where the epoch is), and those done
+        steps = s.step_in_epoch + math.ceil(len(self.train_loader) / loop.grad_accum)
+        last = self._budget.last_step_in_epoch(steps)  # of --max-steps, when inside the epoch
+        batches = chunks(clock.batches(data.iterate(self.train_loader)), loop.grad_accum)
+        step_end, every = self._events.on_step_end, loop.val_every_steps
+        clock.restart()
+        for step, micro_batches in enumerate(
+            self._progress.epoch(batches, epoch, loop.epochs, steps), start=s.step_in_epoch + 1
+        ):
+            if (epoch, step) not in s.skip_steps:  # not dropped by a rollback
+                event = self._step.run(micro_batches, epoch, step)
+                if event is not None:
+                    return event
+            s.global_step += 1
+            s.step_in_epoch = step
+            for call in step_end:  # the built-in features first (EMA first of all)
+                call(self)
+            clock.step()
+            if self._progress.due(step):  # the log interval, and the epoch's last step
+                self._log_interval(step, epoch)
+            if every and s.global_step % every == 0 and step < steps and self.val_loader:
+                with self._features.quiet():
+                    _, best, stop_early = self._epoch_row(s.epoch, started, partial=True)
+                self.model.train()
+                clock.restart()
+                if best:
+                    self._checkpointer.save(best=True)
+                if stop_early:
+                    return Done(stop_early, validated=True)
+            stopping, timed, finished = preemption.agree(
+                self._agreement,
+                self._watcher,
+                self.strategy.max_over_ranks,
+                self._checkpointer.minutes_due,
+                self._budget.time_done,
+            )
+            self._checkpointer.save_when_due(timed, stopping)
+            if stopping:
+                return self._stop_for_preemption()
+            if (finished and step < steps) or step == last:  # a budget ends the run in the epoch
+                return Done(self._budget.reason(finished) or "")
+        return None
+
+    def _log_interval(self, step: int, epoch: int) -> None:
+        """Every rank's clocks (a collective), then rank 0 shows, records and tracks."""
+        s = self._state
+        monitored = self._monitor.interval(s.global_step)
+        shown = self._progress.step(  # rank 0's running means, read now only
+            step, s.metrics.count, s.metrics.compute, self.dist.is_main, monitored
+        )
+        if shown is None:  # not rank 0
+            return
+        values = {**shown, "lr": self._lr()}
+        if self._step.grad_norm is not None:
+            values["grad_norm"] = float(self._step.grad_norm)
+        if self._precision.scale is not None:
+            values["grad_scale"] = float(self._precision.scale)
+            values["skipped_steps"] = int(self._precision.skipped)
+        self._fire(self._events.on_log, values)
+        if self._tracker.active:
+            self._tracker.log({f"train/{k}": v for k, v in values.items()}, s.global_step)
+
+    def _epoch_row(
+        self, epoch: int, started: float, partial: bool
+    ) -> tuple[dict[str, Any], bool, str | None]:
+        """Training means and validation make the epoch's row of the training log (the
+        epoch's so far when ``partial``: a validation inside it); it is written, shown and
+        tracked. Returns the row, whether it is the best so far, and why the run stops
+        early (``--early-stop-patience``) or None."""
+        s, best_metric = self._state, self._best_metric
+        train = s.metrics.compute(self.strategy.all_reduce_sum)
+        val = self.validate() if self.val_loader is not None else {}
+        if val:
+            val.update(self._features.validation(self.validate))
+        row: dict[str, Any] = {"epoch": epoch + 1, "step": s.global_step}
+        row.update({f"train_{k}": v for k, v in train.items()})
+        row.update({f"val_{k}": v for k, v in val.items()})
+        # world_size changes when a run resumes on another number of processes
+        row.update(lr=self._lr(), world_size=self.dist.world_size)
+        row["epoch_time_s"] = round(time.perf_counter() - started, 3)
+        if self._precision.scaler is not None:  # fp16 steps dropped on overflow, in all
+            row["skipped_steps"] = int(self._precision.skipped)
+        s.log_rows.append(row)
+        if self.dist.is_main:
+            try:  # the rows are kept (and checkpointed): the next epoch writes them all
+                write_training_log(self.run_dir / "training_log.csv", s.log_rows)
+            except NotWritten as exc:
+                self.warn(f"{exc}; training goes on and writes it again at the next epoch")
+        self._progress.epoch_summary(row, partial)
+        if val:
+            self._fire(self._events.on_validation_end, row)
+        stop_early = self._budget.validated(row)  # counted against the best before it
+        best = s.improves(row.get(best_metric), self.config.checkpoint.best_mode)
+        self._tracker.log(row, s.global_step)
+        if best:
+            s.best_at = (epoch + 1, s.global_step)
+            self._tracker.summary({f"best_{best_metric}": s.best_value, "best_epoch": epoch + 1})
+        return row, best, self._budget.stopped_early() if stop_early else None
+
+    def _close_epoch(self, epoch: int, row: dict[str, Any]) -> None:
+        """The epoch is done: the scheduler's epoch step, ``on_epoch_end``, the counters."""
+        if self.scheduler_interval == "epoch":
+            for scheduler in self._schedulers:
+                scheduler.step()
+        self.on_epoch_end(epoch, row)
+        self._fire(self._events.on_epoch_end, row)
+        self._state.end_epoch()
+        self._epochs_this_job += 1
+
+    def _lr(self) -> float:
+        """The learning rate shown and logged: the first optimizer's first group's."""
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def _fire(self, listeners: tuple[Any, ...], *args: Any) -> None:
+        """An event of the callbacks (``dmltrain.callback``) that is not per step."""
+        for call in listeners:
+            call(self, *args)
+
+    def _stop_for_preemption(self) -> str:
+        """After the preemption checkpoint: ask Slurm to requeue; why the run stops."""
+        if self.dist.is_main and self.config.preemption.requeue:
+            preemption.requeue(self.dist.job_id, self._progress.info)
+        why = self._watcher.why()
+        return (
+            f"preempted ({why}): checkpoint saved at epoch {self._state.epoch + 1}, step "
+            f"{self._state.step_in_epoch}; exit status 3"
+        )
+
+    def validate(self) -> dict[str, float]:
+        """Validation over the ranks' shards, every sample counted once."""
+        assert self.val_loader is not None
+        with self._evaluating_model():
+            return self._evaluator.metrics(self.val_loader, self.val_step)[0]
+
+    @contextlib.contextmanager
+    def _evaluating_model(self) -> Iterator[None]:
+        """``self.model`` in eval mode, bypassing the DDP wrapper (no collectives)."""
+        wrapped, self.model = self.model, self.strategy.eval_model(self.model)
+        try:
+            self.model.eval()
+            yield
+        finally:
+            self.model = wrapped
