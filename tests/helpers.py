@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dmltrain.launch import free_port
-from dmltrain.training_log import read_training_log
+from dmltrain.records.training_log import read_training_log
+from dmltrain.runtime.launch import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
@@ -204,10 +204,15 @@ def wait_for(condition, timeout: float, what: str) -> None:
 
 
 def release_requeues_until_done(
-    job: str, cwd: Path, timeout: float = 300, env: dict[str, str] | None = None
+    job: str,
+    cwd: Path,
+    timeout: float = 300,
+    env: dict[str, str] | None = None,
+    release: bool = True,
 ) -> None:
     """A requeued job waits (BeginTime) before it restarts; start it at once, as an admin
-    would, until the job completes."""
+    would (unless not ``release``: then it starts when Slurm starts it), until the job
+    completes."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         state = job_field(job, "JobState", env)
@@ -215,7 +220,7 @@ def release_requeues_until_done(
             return
         if state in ("FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"):
             break
-        if state == "PENDING" and job_field(job, "Reason", env) == "BeginTime":
+        if release and state == "PENDING" and job_field(job, "Reason", env) == "BeginTime":
             # Released at once, Slurm may restart the job before its last run has finished
             # completing and kill it ("Job credential revoked"); an admin waits a moment.
             time.sleep(5)
