@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dmltrain.checkpoint import CheckpointDir
+from dmltrain.checkpoint.storage import CheckpointDir
 
 
 def make_state(hidden: int, layers: int) -> tuple[dict, int]:

@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dmltrain import preemption
-from dmltrain.launch import free_port
+from dmltrain.runtime import preemption
+from dmltrain.runtime.launch import free_port
 
 INTERVAL = 0.5  # --preempt-check-seconds' default
 HOPS_US = (5, 20)  # seconds a hop, assumed: InfiniBand / Slingshot small messages

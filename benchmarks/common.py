@@ -147,7 +147,7 @@ def single_process(device: str):
     """dmltrain's ``DistInfo`` for one process on ``device``."""
     from dataclasses import replace
 
-    from dmltrain.launch import detect
+    from dmltrain.runtime.launch import detect
 
     return replace(detect("single", 1), device=device)
 

@@ -1,4 +1,4 @@
-"""Loader throughput with and without per-sample seeds (``dmltrain.data.SeededSamples``).
+"""Loader throughput with and without per-sample seeds (``dmltrain.data.samples.SeededSamples``).
 
     python benchmarks/data_pipeline.py            # 5 rounds
     python benchmarks/data_pipeline.py --quick    # 1 round
@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from dmltrain.data import ResumableSampler, SeededSamples
+from dmltrain.data.samples import ResumableSampler, SeededSamples
 from experiments import mnist_data
 
 BATCH = 64

@@ -80,7 +80,7 @@ def plain_rank(rank: int, world: int, steps: int, port: int, communicate: bool =
 def plain_worker(nprocs: int, steps: int, communicate: bool = True) -> None:
     import torch.multiprocessing as mp
 
-    from dmltrain.launch import free_port
+    from dmltrain.runtime.launch import free_port
 
     if nprocs == 1:
         plain_rank(0, 1, steps, 0)

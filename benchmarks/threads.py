@@ -3,7 +3,7 @@
     python benchmarks/threads.py            # 4 rounds
     python benchmarks/threads.py --quick    # 1 round
 
-Before ``dmltrain.threads``, every process took one thread per core of the machine, as
+Before ``dmltrain.runtime.threads``, every process took one thread per core of the machine, as
 torch does by default: ``--threads <cores>`` does the same. After: the default, each
 process's share of the cores. One epoch on the bundled sample (batch 64 per process),
 the two in turns in fresh processes; the time is the training log's ``epoch_time_s``

@@ -13,12 +13,12 @@ _WHERE = {
     "Callback": "dmltrain.callback",
     "ConfigError": "dmltrain.errors",
     "DataConfig": "dmltrain.config",
-    "DistInfo": "dmltrain.launch",
+    "DistInfo": "dmltrain.runtime.launch",
     "Experiment": "dmltrain.cli",
     "LoopConfig": "dmltrain.config",
     "Stateful": "dmltrain.callback",
     "TrainConfig": "dmltrain.config",
-    "Tracker": "dmltrain.tracking",
+    "Tracker": "dmltrain.features.tracking",
     "UserError": "dmltrain.errors",
     "register_experiment": "dmltrain.cli",
 }
@@ -42,8 +42,8 @@ if TYPE_CHECKING:
     from dmltrain.cli import Experiment, register_experiment
     from dmltrain.config import DataConfig, LoopConfig, TrainConfig
     from dmltrain.errors import ConfigError, UserError
-    from dmltrain.launch import DistInfo
-    from dmltrain.tracking import Tracker
+    from dmltrain.features.tracking import Tracker
+    from dmltrain.runtime.launch import DistInfo
     from dmltrain.trainer import BaseTrainer
 
 

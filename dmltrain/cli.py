@@ -27,17 +27,17 @@ from typing import Any, NoReturn
 
 import argparse_dataclass
 
-from dmltrain import processes
 from dmltrain.config import SECTIONS, TrainConfig, field_names, load_config_file, to_yaml
 from dmltrain.errors import EXIT_PEER_LOST, UserError, run_reporting_errors
-from dmltrain.files import NotWritten, write_atomic
+from dmltrain.records.files import NotWritten, write_atomic
+from dmltrain.runtime import processes
 from dmltrain.trainer import BaseTrainer
 
 ENTRY_POINT_GROUP = "dmltrain.experiments"
 
 
 def _consolidate(args: argparse.Namespace) -> int:
-    from dmltrain.checkpoint import consolidate
+    from dmltrain.checkpoint.storage import consolidate
 
     source = Path(args.checkpoint)
     default = source.with_name(source.stem + "-ema.pt") if args.ema else source.with_suffix(".pt")
@@ -62,7 +62,7 @@ def _add_consolidate(parser: argparse.ArgumentParser) -> None:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from dmltrain.plot import plot_run
+    from dmltrain.tools.plot import plot_run
 
     written = plot_run(Path(args.run_dir), Path(args.output) if args.output else None)
     print(f"dmltrain: wrote {written}")
@@ -81,25 +81,25 @@ def _add_plot(parser: argparse.ArgumentParser) -> None:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from dmltrain import submit
+    from dmltrain.tools import submit
 
     return submit.submit(args, args.flags, args.check_flags)
 
 
 def _add_submit(parser: argparse.ArgumentParser) -> None:
-    from dmltrain import submit
+    from dmltrain.tools import submit
 
     submit.add_arguments(parser)
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from dmltrain import sweep_submit
+    from dmltrain.tools import sweep_submit
 
     return sweep_submit.run(args, args.flags, args.check_flags, args.options_of)
 
 
 def _add_sweep(parser: argparse.ArgumentParser) -> None:
-    from dmltrain import sweep_submit
+    from dmltrain.tools import sweep_submit
 
     sweep_submit.add_arguments(parser)
 
@@ -134,7 +134,7 @@ TOOLS: dict[
 
 
 def _doctor() -> Any:
-    from dmltrain import doctor
+    from dmltrain.tools import doctor
 
     return doctor
 

@@ -26,6 +26,8 @@ from typing import Any, Literal
 import yaml
 
 from dmltrain.errors import ConfigError, first_line
+from dmltrain.runtime.preemption import AGREEMENT_MOST_SECONDS, AGREEMENT_SHARE
+from dmltrain.runtime.threads import MAX_AUTO_WORKERS
 
 
 def check(ok: bool, message: str) -> None:
@@ -55,21 +57,6 @@ class LoopConfig:
             "help": "also validate every N optimizer steps inside an epoch (a training-log "
             "row each, in the epoch in progress; 0: at epochs' ends only)"
         },
-    )
-    ema_decay: float = field(
-        default=0.0,
-        metadata={
-            "help": "keep an exponential moving average of the weights with this decay, "
-            "e.g. 0.999 (0: off)"
-        },
-    )
-    ema_warmup_steps: int = field(
-        default=0, metadata={"help": "the average copies the weights for the first N steps"}
-    )
-    ema_every_steps: int = field(default=1, metadata={"help": "update the average every N steps"})
-    ema_eval: bool = field(
-        default=True,
-        metadata={"help": "with --ema-decay: validate the average too (val_ema_* columns)"},
     )
     early_stop_patience: int = field(
         default=0,
@@ -143,9 +130,6 @@ class LoopConfig:
             f"--early-stop-patience must be >= 0 (got {self.early_stop_patience})",
         )
         check(self.early_stop_min_delta >= 0, "--early-stop-min-delta must be >= 0")
-        check(0 <= self.ema_decay < 1, f"--ema-decay must be in [0, 1) (got {self.ema_decay})")
-        check(self.ema_warmup_steps >= 0, "--ema-warmup-steps must be >= 0")
-        check(self.ema_every_steps >= 1, "--ema-every-steps must be at least 1")
         if self.max_time:
             try:
                 seconds = time_limit_seconds(self.max_time)
@@ -231,7 +215,7 @@ class DataConfig:
             "metavar": "N|auto",
             "help": "DataLoader worker processes per training process (0 loads in the process); "
             "auto: from the CPUs it has of its own: on a GPU all but one, on CPU a quarter "
-            "(0 below 4), at most 8",
+            f"(0 below 4), at most {MAX_AUTO_WORKERS}",
         },
     )
 
@@ -273,15 +257,6 @@ class DistConfig:
             "rank 0 does long work alone: checkpoints of a very large model)"
         },
     )
-    hang_timeout: float = field(
-        default=0.0,
-        metadata={
-            "help": "seconds with no step ended before every rank writes its stacks to "
-            "RUN_DIR/hang/ and the run stops (exit 5); at least 20x the slowest step so far. "
-            "0: auto (that, at least 180 s, at most 0.8x --dist-timeout)"
-        },
-    )
-    hang_watchdog: bool = field(default=True, metadata={"help": "watch for hangs (--hang-timeout)"})
     status_file: str | None = field(
         default=None,
         metadata={
@@ -296,10 +271,6 @@ class DistConfig:
         check(
             0 < self.dist_timeout <= 86400,
             f"--dist-timeout must be positive seconds, at most a day (got {self.dist_timeout})",
-        )
-        check(
-            0 <= self.hang_timeout < math.inf,
-            f"--hang-timeout must be a number >= 0 (got {self.hang_timeout})",
         )
 
 
@@ -435,8 +406,8 @@ class PreemptionConfig:
         metadata={
             "help": "how often the ranks agree on a signal or a --checkpoint-every-minutes "
             "save, in seconds of training (a small collective at a step boundary; 0: at "
-            "every step); longer, up to 10 s, where the collective would take over 1%% "
-            "of training (many ranks)"
+            f"every step); longer, up to {AGREEMENT_MOST_SECONDS:g} s, where the collective "
+            f"would take over {AGREEMENT_SHARE * 100:g}%% of training (many ranks)"
         },
     )
     requeue: bool = field(
@@ -523,24 +494,9 @@ class TrackingConfig:
     wandb_init_timeout: float = field(
         default=60.0, metadata={"help": "seconds to wait for wandb to start before giving up"}
     )
-    monitor: bool = field(
-        default=True,
-        metadata={
-            "help": "time the loader and train_step each step; at each log interval: steps/s, "
-            "data wait, stragglers (RUN_DIR/ranks.csv)"
-        },
-    )
-    straggler_factor: float = field(
-        default=1.2,
-        metadata={
-            "help": "warn about a rank slower than the median of the others by this factor for two "
-            "log intervals (every rank's numbers: RUN_DIR/ranks.csv)"
-        },
-    )
 
     def __post_init__(self) -> None:
         check(self.wandb_init_timeout > 0, "--wandb-init-timeout must be positive")
-        check(self.straggler_factor > 1, "--straggler-factor must be above 1")
         unknown = set(self.trackers()) - {"wandb", "tensorboard"}
         if unknown:  # installed ones (entry-point group dmltrain.trackers) are looked up
             have = {ep.name for ep in metadata.entry_points(group="dmltrain.trackers")}
@@ -562,7 +518,8 @@ class TrackingConfig:
 
 @dataclass(frozen=True)
 class ProfilingConfig:
-    """Profiles on request (``dmltrain.profiling``); nothing is recorded unless asked for."""
+    """Profiles on request (``dmltrain.features.profiling``); nothing is recorded unless
+    asked for."""
 
     profile_steps: str = field(
         default="",
@@ -624,6 +581,83 @@ class ProfilingConfig:
         return [r for r in range(world_size) if ranks is None or r in ranks]
 
 
+@dataclass(frozen=True)
+class EmaConfig:
+    """An exponential moving average of the weights (``dmltrain.features.ema``)."""
+
+    ema_decay: float = field(
+        default=0.0,
+        metadata={
+            "help": "keep an exponential moving average of the weights with this decay, "
+            "e.g. 0.999 (0: off)"
+        },
+    )
+    ema_warmup_steps: int = field(
+        default=0, metadata={"help": "the average copies the weights for the first N steps"}
+    )
+    ema_every_steps: int = field(default=1, metadata={"help": "update the average every N steps"})
+    ema_eval: bool = field(
+        default=True,
+        metadata={"help": "with --ema-decay: validate the average too (val_ema_* columns)"},
+    )
+
+    def __post_init__(self) -> None:
+        check(0 <= self.ema_decay < 1, f"--ema-decay must be in [0, 1) (got {self.ema_decay})")
+        check(self.ema_warmup_steps >= 0, "--ema-warmup-steps must be >= 0")
+        check(self.ema_every_steps >= 1, "--ema-every-steps must be at least 1")
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """What each step's clocks show at a log interval (``dmltrain.features.monitor``)."""
+
+    monitor: bool = field(
+        default=True,
+        metadata={
+            "help": "time the loader and train_step each step; at each log interval: steps/s, "
+            "data wait, stragglers (RUN_DIR/ranks.csv)"
+        },
+    )
+    straggler_factor: float = field(
+        default=1.2,
+        metadata={
+            "help": "warn about a rank slower than the median of the others by this factor for two "
+            "log intervals (every rank's numbers: RUN_DIR/ranks.csv)"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        check(self.straggler_factor > 1, "--straggler-factor must be above 1")
+
+
+# The hang watchdog's automatic timeout (dmltrain.features.watchdog).
+HANG_MULTIPLE = 20  # of the slowest step so far
+HANG_AUTO_FLOOR = 180.0  # seconds, --hang-timeout 0: a few minutes
+HANG_AUTO_SHARE = 0.8  # of --dist-timeout: the stacks are written before a collective gives up
+
+
+@dataclass(frozen=True)
+class HangConfig:
+    """The hang watchdog (``dmltrain.features.watchdog``)."""
+
+    hang_timeout: float = field(
+        default=0.0,
+        metadata={
+            "help": "seconds with no step ended before every rank writes its stacks to "
+            f"RUN_DIR/hang/ and the run stops (exit 5); at least {HANG_MULTIPLE}x the slowest "
+            f"step so far. 0: auto (that, at least {HANG_AUTO_FLOOR:g} s, at most "
+            f"{HANG_AUTO_SHARE}x --dist-timeout)"
+        },
+    )
+    hang_watchdog: bool = field(default=True, metadata={"help": "watch for hangs (--hang-timeout)"})
+
+    def __post_init__(self) -> None:
+        check(
+            0 <= self.hang_timeout < math.inf,
+            f"--hang-timeout must be a number >= 0 (got {self.hang_timeout})",
+        )
+
+
 # The sections: TrainConfig's attribute, the title of its flags in --help, its dataclass.
 SECTIONS: tuple[tuple[str, str, type], ...] = (
     ("loop", "training", LoopConfig),
@@ -633,6 +667,9 @@ SECTIONS: tuple[tuple[str, str, type], ...] = (
     ("checkpoint", "checkpointing", CheckpointConfig),
     ("preemption", "preemption", PreemptionConfig),
     ("tracking", "tracking", TrackingConfig),
+    ("monitoring", "monitoring", MonitorConfig),
+    ("averaging", "weight averaging (EMA)", EmaConfig),
+    ("hang", "hang watchdog", HangConfig),
     ("profiling", "profiling", ProfilingConfig),
 )
 # Which section holds each setting (no two sections share a name, and no setting is
@@ -658,6 +695,9 @@ class TrainConfig:
     checkpoint: CheckpointConfig
     preemption: PreemptionConfig
     tracking: TrackingConfig
+    monitoring: MonitorConfig
+    averaging: EmaConfig  # not "ema": that is a setting (--ema, of --evaluate)
+    hang: HangConfig
     profiling: ProfilingConfig
 
     def __init__(self, **settings: Any) -> None:

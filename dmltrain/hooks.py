@@ -13,10 +13,10 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
-from dmltrain.batches import StepOutput, split_step_output
 from dmltrain.config import TrainConfig
-from dmltrain.distributed import Strategy
+from dmltrain.engine.batches import StepOutput, split_step_output
 from dmltrain.errors import UserError
+from dmltrain.runtime.distributed import Strategy
 
 
 class TrainerHooks(abc.ABC):

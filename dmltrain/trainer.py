@@ -15,30 +15,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from dmltrain import (
-    contract,
-    data,
-    evaluation,
-    launch,
-    preemption,
-    processes,
-    profiling,
-    progress,
-    rundir,
-)
-from dmltrain.assembly import TrainerSetup
 from dmltrain.callback import Events
 from dmltrain.config import LoopConfig, TrainConfig, per_process_batch
-from dmltrain.distributed import create_strategy, unwrap
+from dmltrain.data import samples
+from dmltrain.engine import contract, evaluation, progress
+from dmltrain.engine.assembly import TrainerSetup
+from dmltrain.engine.precision import check_available
+from dmltrain.engine.state import TrainState
+from dmltrain.engine.step import ManualStep
 from dmltrain.errors import PeerLost, StopForRequeue, UserError
-from dmltrain.features import Features
+from dmltrain.features import profiling
+from dmltrain.features.builtin import Features
+from dmltrain.features.tracking import Tracker
 from dmltrain.hooks import TrainerHooks
-from dmltrain.launch import DistInfo
-from dmltrain.precision import check_available
-from dmltrain.state import TrainState
-from dmltrain.step import ManualStep
-from dmltrain.tracking import Tracker
-from dmltrain.training_log import read_training_log
+from dmltrain.records import rundir
+from dmltrain.records.training_log import read_training_log
+from dmltrain.runtime import launch, preemption, processes
+from dmltrain.runtime.distributed import create_strategy, unwrap
+from dmltrain.runtime.launch import DistInfo
 
 
 class BaseTrainer(TrainerSetup):
@@ -246,7 +240,7 @@ class BaseTrainer(TrainerSetup):
         test_set = self.create_test_dataset()
         test = None
         if test_set is not None:
-            test = self.create_dataloader(data.keyed(test_set, self.config.loop.seed), False)
+            test = self.create_dataloader(samples.keyed(test_set, self.config.loop.seed), False)
         results: dict[str, Any] = {"checkpoint": cfg.evaluating, "ema": cfg.ema}
         signalled = self._watcher  # a preemption stops it, at the same batch on every rank
         self._evaluator = dataclasses.replace(

@@ -13,8 +13,8 @@ import torch
 from helpers import AT_ONCE, TINY, assert_same_run, cli_env, run_cli
 from test_checkpoint import small_disk  # noqa: F401 (a fixture)
 
-from dmltrain import rundir
-from dmltrain.launch import hostname
+from dmltrain.records import rundir
+from dmltrain.runtime.launch import hostname
 
 STEPS = [*TINY, "--epochs", "1", "--checkpoint-every-steps", "4"]
 
@@ -387,7 +387,7 @@ def test_a_rendezvous_port_in_use_says_so(tmp_path):
 
 
 def test_a_copied_sweep_runs_its_trials_in_the_copy(tmp_path):
-    from dmltrain.sweep import Sweep
+    from dmltrain.tools.sweep import Sweep
 
     first = Sweep(tmp_path / "first")
     first.create("tiny", ["--epochs", "1"], [{"lr": 0.1}])

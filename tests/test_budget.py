@@ -1,4 +1,4 @@
-"""When a run is done (dmltrain/budget.py): --max-steps, --max-time over all the jobs of
+"""When a run is done (dmltrain/engine/budget.py): --max-steps, --max-time over all the jobs of
 a run, early stopping, and steps.csv. Real processes (--nprocs 2), each stopped by a
 signal in the middle of what it controls and resumed: equal to an uninterrupted run,
 bitwise."""
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from helpers import AT_ONCE, RANDOM, assert_same_run, log_numbers, run_cli
 
-from dmltrain.checkpoint import list_checkpoints, load_file
+from dmltrain.checkpoint.storage import list_checkpoints, load_file
 
 # 2 processes x 4: 12 steps an epoch
 BASE = ["tiny", "--nprocs", "2", "--batch-size", "4", "--save-weights", "--progress", "log",

@@ -11,8 +11,8 @@ from helpers import AT_ONCE, RANDOM, TINY, assert_same_run, run_cli
 from test_tracking import tensorboard_scalars
 
 from dmltrain.callback import Callback, Events, states
-from dmltrain.checkpoint import load_file
-from dmltrain.checkpointer import _check_loadable
+from dmltrain.checkpoint.checkpointer import _check_loadable
+from dmltrain.checkpoint.storage import load_file
 from dmltrain.errors import UserError
 
 ARGS = [*TINY, *RANDOM, "--nprocs", "2"]  # 3 epochs of 6 steps

@@ -14,7 +14,12 @@ import torch
 from helpers import AT_ONCE, REQUIRE_ALL, ROOT, TINY, assert_same_run, run_cli
 
 from dmltrain import TrainConfig, UserError
-from dmltrain.checkpoint import CheckpointDir, list_checkpoints, load_file, load_latest_valid
+from dmltrain.checkpoint.storage import (
+    CheckpointDir,
+    list_checkpoints,
+    load_file,
+    load_latest_valid,
+)
 from tiny import TinyOptions, TinyTrainer, WrapperNames
 
 
@@ -197,7 +202,7 @@ def test_load_weights_for_fine_tuning(tmp_path):
 SAVER = textwrap.dedent("""
     import sys, torch
     from pathlib import Path
-    from dmltrain.checkpoint import CheckpointDir
+    from dmltrain.checkpoint.storage import CheckpointDir
     directory = CheckpointDir(Path(sys.argv[1]), keep_last=2)
     big = {"w": torch.randn(3_000_000)}
     print("ready", flush=True)

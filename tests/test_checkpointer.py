@@ -1,4 +1,4 @@
-"""Resuming at another number of processes (dmltrain/checkpointer.py): the global batch
+"""Resuming at another number of processes (dmltrain/checkpoint/checkpointer.py): the global batch
 is what a resume keeps; the position in the epoch is counted in samples.
 
 Real processes (``--nprocs``): a run of 2 processes x batch 8 is preempted mid-epoch
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from helpers import AT_ONCE, assert_same_run, cli_env, log_numbers, own_port, require, run_cli
 
-from dmltrain.checkpoint import list_checkpoints, load_file
+from dmltrain.checkpoint.storage import list_checkpoints, load_file
 
 BASE = ["tiny", "--epochs", "2", "--samples", "96", "--save-weights", "--progress", "off",
         "--record-samples"]  # fmt: skip

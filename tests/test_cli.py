@@ -16,7 +16,7 @@ from torch.utils.data import TensorDataset
 
 from dmltrain import BaseTrainer, register_experiment
 from dmltrain.cli import main, parse
-from dmltrain.training_log import read_training_log
+from dmltrain.records.training_log import read_training_log
 from tiny import EXPERIMENT as TINY
 
 

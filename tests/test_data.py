@@ -8,7 +8,13 @@ import pytest
 import torch
 from torch.utils.data import ConcatDataset, DataLoader, DistributedSampler, Subset, TensorDataset
 
-from dmltrain.data import ResumableSampler, SeededSamples, ShardSampler, iterate, sample_seed
+from dmltrain.data.samples import (
+    ResumableSampler,
+    SeededSamples,
+    ShardSampler,
+    iterate,
+    sample_seed,
+)
 from tiny import Augmented
 
 DATA = TensorDataset(torch.arange(40.0).reshape(20, 2), torch.arange(20))

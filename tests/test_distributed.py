@@ -25,8 +25,8 @@ from helpers import (
     start_ranks,
 )
 
-from dmltrain.launch import free_port
-from dmltrain.training_log import read_training_log
+from dmltrain.records.training_log import read_training_log
+from dmltrain.runtime.launch import free_port
 
 ARGS = [*TINY, "--progress", "log", "--log-every", "4"]
 DMLTRAIN = [sys.executable, "-m", "dmltrain"]

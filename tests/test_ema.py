@@ -1,4 +1,4 @@
-"""The averaged weights (dmltrain/ema.py): the update rule, and a run of 2 real processes
+"""The averaged weights (dmltrain/features/ema.py): the update rule, and a run of 2 real processes
 with dropout and augmentation preempted mid-epoch and resumed, equal to an uninterrupted
 one bitwise, the average included (under DDP and FSDP); best.pt by the average's
 validation; consolidate --ema and --load-weights --ema."""
@@ -10,8 +10,8 @@ import torch
 from helpers import AT_ONCE, RANDOM, assert_same_run, cli_env, log_numbers, run_cli
 from torch import nn
 
-from dmltrain.checkpoint import list_checkpoints, load_file
-from dmltrain.ema import EMA
+from dmltrain.checkpoint.storage import list_checkpoints, load_file
+from dmltrain.features.ema import EMA
 
 # 2 processes x 4: 12 steps an epoch
 BASE = ["tiny", "--nprocs", "2", "--batch-size", "4", "--epochs", "2", "--save-weights",

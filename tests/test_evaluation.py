@@ -1,4 +1,4 @@
-"""--evaluate and --predict (dmltrain/evaluation.py): metrics and predictions from a
+"""--evaluate and --predict (dmltrain/engine/evaluation.py): metrics and predictions from a
 checkpoint count every sample once, under every strategy (FSDP pads its ranks' shards),
 checked against the same numbers computed here from the checkpoint's weights; the
 predictions merged in the dataset's order; bad requests as one line."""
@@ -15,11 +15,11 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from dmltrain import TrainConfig, UserError
-from dmltrain.data import ShardSampler, keyed
-from dmltrain.evaluation import real_batches, take
+from dmltrain.data.samples import ShardSampler, keyed
+from dmltrain.engine.evaluation import real_batches, take
 from dmltrain.hooks import TrainerHooks
-from dmltrain.launch import free_port
-from dmltrain.training_log import read_training_log
+from dmltrain.records.training_log import read_training_log
+from dmltrain.runtime.launch import free_port
 from tiny import TinyOptions, TinyTrainer, tiny_data
 
 # 13 validation and 7 test samples: odd, so FSDP's 2 ranks get one padded sample each

@@ -1,4 +1,4 @@
-"""The built-in features as callbacks (dmltrain/features.py): a feature that is off is
+"""The built-in features as callbacks (dmltrain/features/builtin.py): a feature that is off is
 not registered; those on run before the experiment's callbacks, EMA first; the engine's
 points (quiet, explain, validation, stop) reach every feature that has them."""
 
@@ -8,10 +8,16 @@ from types import SimpleNamespace
 import torch
 
 from dmltrain import TrainConfig
-from dmltrain.ema import EMA
+from dmltrain.engine.state import TrainState
 from dmltrain.errors import PeerLost
-from dmltrain.features import EmaFeature, Feature, Features, ProfilerFeature, StepsLogFeature
-from dmltrain.state import TrainState
+from dmltrain.features.builtin import (
+    EmaFeature,
+    Feature,
+    Features,
+    ProfilerFeature,
+    StepsLogFeature,
+)
+from dmltrain.features.ema import EMA
 from tiny import EveryEvent, TinyOptions, TinyTrainer
 
 

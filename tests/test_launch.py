@@ -3,7 +3,8 @@ here; the launchers that can run are exercised for real in tests/test_distribute
 
 import pytest
 
-from dmltrain import UserError, launch
+from dmltrain import UserError
+from dmltrain.runtime import launch
 
 
 def test_single_process_defaults():

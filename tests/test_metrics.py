@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from dmltrain import UserError
-from dmltrain.metrics import MetricAccumulator
+from dmltrain.engine.metrics import MetricAccumulator
 
 
 def test_sample_weighted_mean_keeps_order():

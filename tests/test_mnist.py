@@ -11,9 +11,9 @@ import pytest
 import torch
 from helpers import AT_ONCE, cli_env, log_numbers, own_port, require, run_cli, signal_at_line
 
-from dmltrain.checkpoint import load_file
-from dmltrain.launch import free_port
-from dmltrain.training_log import read_training_log
+from dmltrain.checkpoint.storage import load_file
+from dmltrain.records.training_log import read_training_log
+from dmltrain.runtime.launch import free_port
 from experiments import mnist_data
 
 COLUMNS = ["epoch", "step", "train_loss", "val_loss", "val_acc", "lr", "world_size", "epoch_time_s"]
@@ -110,7 +110,7 @@ def test_mnist_under_every_launcher_ends_bitwise_equal(
     mnist_reference, tmp_path, launcher, request
 ):
     """The same command under torchrun, mpirun and srun as under --nprocs 2: each process
-    takes its share of the cores (dmltrain.threads), so the same kernels add up in the
+    takes its share of the cores (dmltrain.runtime.threads), so the same kernels add up in the
     same order."""
     run = tmp_path / "run"
     dmltrain = [sys.executable, "-m", "dmltrain", *MNIST, "--run-dir", str(run)]

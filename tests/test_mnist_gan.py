@@ -1,4 +1,4 @@
-"""Several models and optimizers (dmltrain/step.py's ManualStep, experiments/mnist_gan.py):
+"""Several models and optimizers (dmltrain/engine/step.py's ManualStep, experiments/mnist_gan.py):
 the bundled DCGAN trains, and preempted mid-epoch under DDP and FSDP it resumes bitwise;
 bf16 and fp16 run with both optimizers. On tiny (tests/tiny.py --two-optimizers), a step
 that calls each layer on its own keeps the ranks' weights equal, and equal to one
@@ -14,8 +14,8 @@ import torch
 from helpers import AT_ONCE, TINY, cli_env, log_numbers, own_port, require, run_cli, signal_at_line
 from test_mnist import assert_same_mnist
 
-from dmltrain.checkpoint import load_file
-from dmltrain.training_log import read_training_log
+from dmltrain.checkpoint.storage import load_file
+from dmltrain.records.training_log import read_training_log
 
 GAN = ["mnist-gan", "--epochs", "1", "--no-download", "--progress", "log", "--log-every", "4",
        "--nprocs", "2"]  # fmt: skip

@@ -1,4 +1,4 @@
-"""Throughput, data stalls and stragglers (dmltrain/monitor.py): the clocks measure what
+"""Throughput, data stalls and stragglers (dmltrain/features/monitor.py): the clocks measure what
 they say, a data-bound run gets one warning saying what to change, and with 2 real
 processes a rank slowed on purpose is named (with whether data or compute made it slow)
 while a healthy run names nobody."""
@@ -11,8 +11,8 @@ import pytest
 import torch
 from helpers import run_cli
 
-from dmltrain.monitor import Monitor, StepClock
-from dmltrain.training_log import read_training_log
+from dmltrain.features.monitor import Monitor, StepClock
+from dmltrain.records.training_log import read_training_log
 
 # 2 processes x 4: 12 steps an epoch, an interval every 2 steps; every step takes 10 ms
 # in train_step, so the machine's noise is small beside it
@@ -141,12 +141,12 @@ def test_on_a_gpu_compute_is_the_gpus_time_read_at_the_interval_without_a_sync_p
 def test_on_a_gpu_mfu_is_the_achieved_flops_over_a_known_peak():
     """bf16 matmuls of known FLOPs: the MFU is a fraction (the peak table is not below
     what the device does) and not a tiny one (nor far above)."""
-    from dmltrain.monitor import peak_flops
+    from dmltrain.features.monitor import peak_flops
 
     device = torch.device("cuda")
     peak = peak_flops(device, "bf16")
     name = torch.cuda.get_device_name(device)
-    assert peak is not None, f"{name}: add its dense peak to dmltrain.monitor.PEAK_FLOPS"
+    assert peak is not None, f"{name}: add its dense peak to dmltrain.features.monitor.PEAK_FLOPS"
     n = 8192
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
     a @ a

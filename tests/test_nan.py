@@ -12,9 +12,9 @@ import pytest
 import torch
 from helpers import TINY, assert_same_run, start_ranks
 
-from dmltrain.checkpoint import list_checkpoints, load_file
+from dmltrain.checkpoint.storage import list_checkpoints, load_file
+from dmltrain.engine.nan import nonfinite
 from dmltrain.errors import EXIT_NONFINITE
-from dmltrain.nan import nonfinite
 
 ARGS = [*TINY, "--epochs", "2"]
 ARGS += ["--check-nans", "--checkpoint-every-steps", "2", "--keep-last", "0"]

@@ -1,4 +1,4 @@
-"""The roll call after a failed collective (dmltrain/peers.py) with a real TCPStore; the
+"""The roll call after a failed collective (dmltrain/runtime/peers.py) with a real TCPStore; the
 whole path, with real ranks on two hosts, is in test_two_nodes and test_distributed."""
 
 import datetime
@@ -10,8 +10,8 @@ import time
 
 import torch.distributed as dist
 
-from dmltrain.launch import free_port
-from dmltrain.peers import describe, local_state, means_lost, roll_call
+from dmltrain.runtime.launch import free_port
+from dmltrain.runtime.peers import describe, local_state, means_lost, roll_call
 
 
 def store(port: int, master: bool) -> dist.TCPStore:

@@ -11,9 +11,9 @@ from helpers import SAMPLE, assert_same_run, cli_env, own_port, require, run_cli
 from torch.utils.data import DataLoader, DistributedSampler
 
 from dmltrain import TrainConfig, UserError
-from dmltrain.checkpoint import load_file
-from dmltrain.precision import Precision, check_available
-from dmltrain.training_log import read_training_log
+from dmltrain.checkpoint.storage import load_file
+from dmltrain.engine.precision import Precision, check_available
+from dmltrain.records.training_log import read_training_log
 from tiny import TinyOptions, TinyTrainer
 
 TINY = [*helpers.TINY, "--batch-size", "64"]

@@ -23,10 +23,10 @@ from helpers import (
     signal_at_line,
 )
 
-from dmltrain import preemption
-from dmltrain.checkpoint import list_checkpoints, load_file
-from dmltrain.launch import free_port
-from dmltrain.preemption import AgreementSchedule, PreemptionWatcher
+from dmltrain.checkpoint.storage import list_checkpoints, load_file
+from dmltrain.runtime import preemption
+from dmltrain.runtime.launch import free_port
+from dmltrain.runtime.preemption import AgreementSchedule, PreemptionWatcher
 
 TINY = [*helpers.TINY, *RANDOM]
 

@@ -1,4 +1,4 @@
-"""Workers of ``nprocs`` started from a notebook (dmltrain/processes.py): a trainer class
+"""Workers of ``nprocs`` started from a notebook (dmltrain/runtime/processes.py): a trainer class
 defined in a Jupyter cell trains on 2 processes (forks of the kernel), survives the
 cell's interrupt, resumes bitwise, and runs unchanged as a script under Slurm.
 
@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from dmltrain import BaseTrainer, TrainConfig
-from dmltrain.distributed import unwrap
+from dmltrain.runtime.distributed import unwrap
 
 
 class Line(BaseTrainer):

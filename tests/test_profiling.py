@@ -1,4 +1,4 @@
-"""Profiles on request (dmltrain/profiling.py): torch.profiler over a window of steps on
+"""Profiles on request (dmltrain/features/profiling.py): torch.profiler over a window of steps on
 the ranks asked for, with real processes; the CUDA allocator's snapshot and a real CUDA
 out-of-memory error on a GPU (skipped without one); on CPU, where no out-of-memory error
 exists, the tiny experiment raises torch.OutOfMemoryError itself to show the one line."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 from helpers import TINY, assert_same_run, run_cli
 
-from dmltrain.checkpoint import load_file
+from dmltrain.checkpoint.storage import load_file
 from dmltrain.config import ProfilingConfig
 from dmltrain.errors import ConfigError
 

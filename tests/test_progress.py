@@ -1,6 +1,6 @@
 import io
 
-from dmltrain.progress import Progress
+from dmltrain.engine.progress import Progress
 
 
 def _run(progress, steps=5):

@@ -7,7 +7,7 @@ import sys
 from helpers import ROOT, cli_env
 
 from dmltrain import TrainConfig
-from dmltrain.training_log import read_training_log
+from dmltrain.records.training_log import read_training_log
 
 README = (ROOT / "README.md").read_text()
 
@@ -85,7 +85,7 @@ def _block(heading: str, lang: str = "python") -> str:
 def test_the_callback_example_logs_and_checkpoints_its_state(tmp_path):
     from test_tracking import tensorboard_scalars
 
-    from dmltrain.checkpoint import load_file
+    from dmltrain.checkpoint.storage import load_file
 
     (tmp_path / "my_experiment.py").write_text(_example_source())
     (tmp_path / "my_callbacks.py").write_text(_block("### Callbacks"))

@@ -1,4 +1,4 @@
-"""A sweep's space, its trials and its directory (dmltrain/sweep.py); bad sweep.yaml files
+"""A sweep's space, its trials and its directory (dmltrain/tools/sweep.py); bad sweep.yaml files
 are one line and exit 2 before anything runs."""
 
 import json
@@ -7,7 +7,7 @@ import pytest
 from helpers import run_cli
 
 from dmltrain.errors import UserError
-from dmltrain.sweep import Sweep, best, expand, flags, load_space
+from dmltrain.tools.sweep import Sweep, best, expand, flags, load_space
 
 KNOWN = {"lr", "dropout", "batch_size", "augment"}
 

@@ -1,4 +1,4 @@
-"""``dmltrain sweep`` (dmltrain/sweep_submit.py) on the real local Slurm cluster: a 4-trial
+"""``dmltrain sweep`` (dmltrain/tools/sweep_submit.py) on the real local Slurm cluster: a 4-trial
 grid as a job array, 2 at a time, one task preempted with scancel --signal=USR1; every
 trial ends equal to the same trial run here (``--local``), only the preempted task is
 requeued, and submitting the finished sweep again starts nothing; 2 trials packed in each

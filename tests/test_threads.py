@@ -5,8 +5,8 @@ import json
 import pytest
 from helpers import run_cli
 
-from dmltrain.launch import cpu_set, physical_cores, run_environment
-from dmltrain.threads import choose
+from dmltrain.runtime.launch import cpu_set, physical_cores, run_environment
+from dmltrain.runtime.threads import choose
 
 
 def rank(host="a", cpus=(0, 1, 2, 3), cores=4, omp=None, per_task=None):

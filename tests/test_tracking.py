@@ -8,7 +8,7 @@ import time
 import pytest
 from helpers import AT_ONCE, cli_env, run_cli
 
-from dmltrain.checkpoint import load_file
+from dmltrain.checkpoint.storage import load_file
 from wandb_records import read_run, runs_in
 
 TINY = ["tiny", "--epochs", "2", "--batch-size", "8", "--progress", "off", "--log-every", "3"]

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from dmltrain import DistInfo, TrainConfig, UserError
-from dmltrain.training_log import read_training_log
+from dmltrain.records.training_log import read_training_log
 from tiny import TinyOptions, TinyTrainer
 
 

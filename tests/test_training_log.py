@@ -1,6 +1,6 @@
 import math
 
-from dmltrain.training_log import read_training_log, write_training_log
+from dmltrain.records.training_log import read_training_log, write_training_log
 
 
 def test_rows_rewritten_whole_with_full_precision(tmp_path):

@@ -1,4 +1,4 @@
-"""The hang watchdog (dmltrain/watchdog.py), with 2 real processes: a rank blocked in
+"""The hang watchdog (dmltrain/features/watchdog.py), with 2 real processes: a rank blocked in
 train_step on purpose is named, its stack shows the blocking line, every rank's stacks
 are written and the run ends with the lost-peer status (5), which the batch scripts
 requeue; a long but healthy step is not a hang."""
@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import cli_env, run_cli
 
-from dmltrain.watchdog import limits
+from dmltrain.features.watchdog import limits
 
 # 2 processes x 4: 12 steps an epoch
 BASE = ["tiny", "--nprocs", "2", "--batch-size", "4", "--epochs", "1", "--progress", "off"]

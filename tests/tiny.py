@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.utils.data import Dataset, TensorDataset
 
 from dmltrain import BaseTrainer, Callback, Tracker, register_experiment
-from dmltrain.tracking import TrackerStart
+from dmltrain.features.tracking import TrackerStart
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 It saves at a step boundary when one is due (every N steps or M minutes, on preemption),
 at the end of every epoch, and restores (``--resume``, ``--load-weights``, a rollback
-after a NaN). The files themselves are ``dmltrain.checkpoint``'s business.
+after a NaN). The files themselves are ``dmltrain.checkpoint.storage``'s business.
 
 A checkpoint holds: model and optimizer (keyed by parameter name, ``model_state``), LR
 scheduler, precision (grad scaler), the ``TrainState`` (epoch, steps, best value, tracking
@@ -22,7 +22,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from dmltrain.checkpoint import (
+from dmltrain.checkpoint.model_state import (
+    check_model_fits,
+    load_optimizers_state_by_name,
+    optimizers_state_by_name,
+    shapes_of,
+)
+from dmltrain.checkpoint.storage import (
     CheckpointDir,
     WriteFailed,
     list_checkpoints,
@@ -32,19 +38,13 @@ from dmltrain.checkpoint import (
     sharded_shapes,
 )
 from dmltrain.config import CheckpointConfig
-from dmltrain.data import sample_seed
-from dmltrain.distributed import Strategy, unwrap
+from dmltrain.data.rng import rng_state, seed_everything, set_rng_state
+from dmltrain.data.samples import sample_seed
+from dmltrain.engine.metrics import merge_states
+from dmltrain.engine.precision import Precision
+from dmltrain.engine.state import TrainState
 from dmltrain.errors import UserError
-from dmltrain.metrics import merge_states
-from dmltrain.model_state import (
-    check_model_fits,
-    load_optimizers_state_by_name,
-    optimizers_state_by_name,
-    shapes_of,
-)
-from dmltrain.precision import Precision
-from dmltrain.rng import rng_state, seed_everything, set_rng_state
-from dmltrain.state import TrainState
+from dmltrain.runtime.distributed import Strategy, unwrap
 
 
 def _global_batch(train: dict[str, Any], world_size: int) -> int:
@@ -103,7 +103,7 @@ def _load_schedulers(schedulers: tuple[Any, ...], saved: Any, path: Path) -> Non
 
 def _dcp() -> Any:
     """torch.distributed.checkpoint.state_dict, imported when first needed (FSDP, sharded
-    checkpoints): importing it takes 0.8 s and some 45 MiB."""
+    checkpoints): it is slow to import and large."""
     from torch.distributed.checkpoint import state_dict
 
     return state_dict
@@ -118,9 +118,22 @@ class Saved:
     schedulers: tuple[Any, ...]  # create_scheduler's, none or one for each optimizer
     precision: Precision
     state: TrainState
-    ema: Any = None  # dmltrain.ema.EMA with --ema-decay
+    ema: Any = None  # dmltrain.features.ema.EMA with --ema-decay
     # callbacks' and the experiment's (dmltrain.callback.states), by key
     states: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Parts:
+    """What a load takes from a checkpoint besides the model's weights."""
+
+    optimizer: bool = True
+    scheduler: bool = True
+    scaler: bool = True
+    run: bool = True  # where the run is: counters, metrics, EMA, callbacks' states, RNG
+
+
+EVERYTHING = Parts()  # a resume, a rollback
 
 
 class Checkpointer:
@@ -281,7 +294,7 @@ class Checkpointer:
             path = Path(choice)
             state = load_file(path)
             self._check_resumable(state, path)
-            self._load(state, path, optimizer=True, scheduler=True, scaler=True, counters=True)
+            self._load(state, path, EVERYTHING)
             s = self.saved.state
             self.say(
                 f"dmltrain: resuming from {choice} (epoch {s.epoch + 1}, "
@@ -303,14 +316,8 @@ class Checkpointer:
                         "first: dmltrain consolidate --ema"
                     )
                 state = {**state, "model": state["ema"]}
-            self._load(
-                state,
-                path,
-                cfg.load_optimizer,
-                cfg.load_scheduler,
-                cfg.load_scaler,
-                cfg.load_epoch,
-            )
+            parts = Parts(cfg.load_optimizer, cfg.load_scheduler, cfg.load_scaler, cfg.load_epoch)
+            self._load(state, path, parts)
             self.say(f"dmltrain: weights loaded from {load_weights}")
 
     def rollback(self, epoch: int, step: int) -> None:
@@ -323,7 +330,7 @@ class Checkpointer:
                 f"--on-nan rollback: no checkpoint in {self.files.directory} to roll back to"
             )
         path = Path(choice)
-        self._load(load_file(path), path, True, True, True, True)
+        self._load(load_file(path), path, EVERYTHING)
         self.saved.state.skip_steps.add((epoch, step))
         self.say(f"dmltrain: rolled back to {path}; epoch {epoch} step {step} will be skipped")
 
@@ -402,16 +409,9 @@ class Checkpointer:
             )
         self.say(said + (" (kept)" if old == new else ""))
 
-    def _load(
-        self,
-        state: dict[str, Any],
-        path: Path,
-        optimizer: bool,
-        scheduler: bool,
-        scaler: bool,
-        counters: bool,
-    ) -> None:
+    def _load(self, state: dict[str, Any], path: Path, parts: Parts) -> None:
         saved, dcp = self.saved, _dcp
+        optimizer, counters = parts.optimizer, parts.run
         # loading may take a zero step (see save); set_to_none is the default, and Horovod's
         # optimizer takes no arguments
         for each in saved.optimizers:
@@ -450,9 +450,9 @@ class Checkpointer:
         if optimizer and state.get("optimizer_fresh"):
             for each in saved.optimizers:  # saved before its first step: keep it fresh
                 each.state.clear()
-        if scheduler and state["scheduler"] is not None:
+        if parts.scheduler and state["scheduler"] is not None:
             _load_schedulers(saved.schedulers, state["scheduler"], path)
-        if scaler:
+        if parts.scaler:
             saved.precision.load_state_dict(state.get("scaler"))
         if saved.ema is not None:  # the checkpoint's average, or these weights as the start
             if counters and "ema" in state:

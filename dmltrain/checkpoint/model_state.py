@@ -58,8 +58,8 @@ def _parameter_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -
 def optimizer_state_by_name(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     """``optimizer.state_dict()`` keyed by parameter name instead of position: the format
     ``torch.distributed.checkpoint`` writes for a full state dict, so checkpoints of every
-    strategy load into every other. Without FSDP this needs neither that module (0.8 s and
-    some 45 MiB to import) nor copies of the tensors."""
+    strategy load into every other. Without FSDP this needs neither that module (slow to
+    import) nor copies of the tensors."""
     names = _parameter_names(model, optimizer)
     raw = optimizer.state_dict()
     return {

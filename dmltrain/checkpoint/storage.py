@@ -29,8 +29,8 @@ from typing import Any
 
 import torch
 
+from dmltrain.checkpoint.snapshot import snapshot
 from dmltrain.errors import UserError, first_line
-from dmltrain.snapshot import snapshot
 
 FORMAT_VERSION = 1
 PREFIX = "ckpt-"

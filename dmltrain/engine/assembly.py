@@ -13,44 +13,36 @@ from typing import Any
 
 import torch
 
-from dmltrain import (
-    callback,
-    contract,
-    data,
-    diagnostics,
-    evaluation,
-    launch,
-    monitor,
-    preemption,
-    profiling,
-    rng,
-    rundir,
-    threads,
-)
-from dmltrain.budget import Budget, total_steps
+from dmltrain import callback
 from dmltrain.callback import Events
-from dmltrain.checkpointer import Checkpointer, Saved
+from dmltrain.checkpoint.checkpointer import Checkpointer, Saved
 from dmltrain.config import as_plain, to_yaml
-from dmltrain.distributed import unwrap
-from dmltrain.ema import EMA
+from dmltrain.data import rng, samples
+from dmltrain.engine import contract, evaluation
+from dmltrain.engine.budget import Budget, total_steps
+from dmltrain.engine.loop import TrainingLoop
+from dmltrain.engine.nan import NanChecker
+from dmltrain.engine.precision import Precision
+from dmltrain.engine.progress import Progress
+from dmltrain.engine.state import TrainState
+from dmltrain.engine.step import ManualStep, OptimizerStep, check_first_forward
 from dmltrain.errors import UserError
-from dmltrain.features import (
+from dmltrain.features import monitor, profiling
+from dmltrain.features.builtin import (
     EmaFeature,
     Features,
     ProfilerFeature,
     StepsLogFeature,
     WatchdogFeature,
 )
-from dmltrain.loop import TrainingLoop
-from dmltrain.monitor import Monitor, StepClock, peak_flops
-from dmltrain.nan import NanChecker
-from dmltrain.precision import Precision
-from dmltrain.progress import Progress
-from dmltrain.state import TrainState
-from dmltrain.step import ManualStep, OptimizerStep, check_first_forward
-from dmltrain.tracking import create_trackers
-from dmltrain.training_log import StepsLog
-from dmltrain.watchdog import Watchdog
+from dmltrain.features.ema import EMA
+from dmltrain.features.monitor import Monitor, StepClock, peak_flops
+from dmltrain.features.tracking import create_trackers
+from dmltrain.features.watchdog import Watchdog
+from dmltrain.records import rundir
+from dmltrain.records.training_log import StepsLog
+from dmltrain.runtime import diagnostics, launch, preemption, threads
+from dmltrain.runtime.distributed import unwrap
 
 
 class TrainerSetup(TrainingLoop):
@@ -84,7 +76,7 @@ class TrainerSetup(TrainingLoop):
             wait=60.0 if dist.job_id else 0.0,
         )
         self.config = cfg = cfg.replace(run_dir=str(self.run_dir))
-        # Every rank's host and CPUs: each takes its share of its cores (dmltrain.threads).
+        # Every rank's host and CPUs: each takes its share of its cores (dmltrain.runtime.threads).
         self._ranks = self.strategy.all_gather_object(diagnostics.this_rank(dist, self.environment))
         cuda = self.device.type == "cuda"
         threads.assign(cfg.distributed.threads, cfg.data.num_workers, self._ranks, cuda)
@@ -102,14 +94,12 @@ class TrainerSetup(TrainingLoop):
         self.model = self.strategy.wrap_model(
             model, self.fsdp_units(model), self._precision.dtype, self.manual_optimization
         )
-        ema = None
-        if loop.ema_decay and not evaluating:
-            ema = EMA(
-                unwrap(self.model), loop.ema_decay, loop.ema_warmup_steps, loop.ema_every_steps
-            )
+        ema, avg = None, cfg.averaging
+        if avg.ema_decay and not evaluating:
+            ema = EMA(unwrap(self.model), avg.ema_decay, avg.ema_warmup_steps, avg.ema_every_steps)
         # best.pt and early stopping follow the average's metric when it is validated
         self._best_metric = cfg.checkpoint.best_metric
-        if ema is not None and loop.ema_eval and self._best_metric.startswith("val_"):
+        if ema is not None and avg.ema_eval and self._best_metric.startswith("val_"):
             self._best_metric = "val_ema_" + self._best_metric[4:]
         if loop.compile:
             self.model = torch.compile(self.model)  # type: ignore[assignment]
@@ -184,20 +174,20 @@ class TrainerSetup(TrainingLoop):
         )
         if checks.check_nans and checks.on_nan == "rollback" and self._state.global_step == 0:
             self._checkpointer.save(best=False)  # something to roll back to from step 1
-        self._step_clock = StepClock(self.device, timing=cfg.tracking.monitor)
+        self._step_clock = StepClock(self.device, timing=cfg.monitoring.monitor)
         self._start_monitor()
         self._make_step()
         watchdog = self._watchdog_feature()
         steps_log = self._start_records(plain)
         # Run order, part of the bitwise promise: the EMA update first at a step's end.
-        ema_feature = None if ema is None else EmaFeature(ema, loop.ema_eval)
+        ema_feature = None if ema is None else EmaFeature(ema, avg.ema_eval)
         built_in = [f for f in (ema_feature, profiler, watchdog, steps_log) if f is not None]
         self._features = Features(built_in)
         self._checkpointer.quiet = self._features.quiet
         self._events = Events([*built_in, *callbacks])
 
     def _make_step(self) -> None:
-        """One optimizer step's parts (``dmltrain.step``): automatic, or ``train_step``'s own
+        """One optimizer step's parts (``dmltrain.engine.step``): automatic, or ``train_step``'s own
         updates (``manual_optimization``)."""
         loop, checks = self.config.loop, self.config.numerics
         nan_checker = self._nan_checker
@@ -237,7 +227,7 @@ class TrainerSetup(TrainingLoop):
         if len(train_set) == 0:
             raise UserError("the training dataset is empty: check --data-dir")
         seed = self.config.loop.seed
-        self.train_loader = self.create_dataloader(data.keyed(train_set, seed), train=True)
+        self.train_loader = self.create_dataloader(samples.keyed(train_set, seed), train=True)
         self.val_loader = None
         if val_set is not None and len(val_set) == 0:
             raise UserError(
@@ -245,7 +235,7 @@ class TrainerSetup(TrainingLoop):
                 "from create_datasets to train without validation"
             )
         if val_set is not None:
-            self.val_loader = self.create_dataloader(data.keyed(val_set, seed), train=False)
+            self.val_loader = self.create_dataloader(samples.keyed(val_set, seed), train=False)
 
     def _profiler_feature(self) -> ProfilerFeature | None:
         """This rank's profiler when --profile-ranks names it (the lowest shows its table)."""
@@ -270,7 +260,7 @@ class TrainerSetup(TrainingLoop):
             self.strategy.max_over_ranks,
             dist.rank,
             [entry["host"] for entry in self._ranks],
-            cfg.tracking.straggler_factor,
+            cfg.monitoring.straggler_factor,
             self.warn,
             self.run_dir / "ranks.csv" if dist.is_main and dist.world_size > 1 else None,
             self.flops_per_sample(),
@@ -282,14 +272,15 @@ class TrainerSetup(TrainingLoop):
     def _watchdog_feature(self) -> WatchdogFeature | None:
         """The hang watchdog (--hang-watchdog), reading the step clock from its thread."""
         cfg, dist = self.config, self.dist
-        if not cfg.distributed.hang_watchdog:
+        if not cfg.hang.hang_watchdog:
             return None
         watchdog = Watchdog.for_run(
             self._step_clock,
             self.run_dir,
             dist,
             self._ranks[dist.rank]["host"],
-            cfg.distributed,
+            cfg.hang,
+            cfg.distributed.dist_timeout,
             self.strategy.flight_recorder(),
         )
         return WatchdogFeature(watchdog)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dmltrain.config import LoopConfig, time_limit_seconds
-from dmltrain.state import TrainState
+from dmltrain.engine.state import TrainState
 
 
 def total_steps(loop: LoopConfig, steps_per_epoch: int) -> int:

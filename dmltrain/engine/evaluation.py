@@ -2,7 +2,7 @@
 
 Under FSDP every rank must run as many forwards as the others (the forward is collective),
 so its validation sampler pads the shorter shards with repeats of the first samples
-(``data.ShardSampler``, at most one a rank, at the end of its shard). ``real_batches``
+(``samples.ShardSampler``, at most one a rank, at the end of its shard). ``real_batches``
 trims those from the last batch before its forward; a batch made only of padding still
 runs (the collectives stay matched) and is marked to be left out. Metrics and predictions
 then count every sample once.
@@ -22,14 +22,15 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from dmltrain import contract, data
-from dmltrain.batches import batch_size_of, to_device
-from dmltrain.distributed import Strategy
+from dmltrain.data import samples
+from dmltrain.engine import contract
+from dmltrain.engine.batches import batch_size_of, to_device
+from dmltrain.engine.metrics import MetricAccumulator
+from dmltrain.engine.precision import Precision
 from dmltrain.errors import StopForRequeue, UserError
-from dmltrain.files import write_atomic
-from dmltrain.launch import DistInfo
-from dmltrain.metrics import MetricAccumulator
-from dmltrain.precision import Precision
+from dmltrain.records.files import write_atomic
+from dmltrain.runtime.distributed import Strategy
+from dmltrain.runtime.launch import DistInfo
 
 Output = Any  # a tensor, or a dict, tuple or list of them (lists: one item a sample)
 CHECK_EVERY = 8  # batches between the ranks' agreements on a preemption (--evaluate)
@@ -50,7 +51,7 @@ class Evaluator:
     def batches(self, loader: DataLoader, step: Callable[[Any], Any]) -> Iterator[tuple[Any, int]]:
         """``(step's output, how many samples it counts)`` per batch (``real_batches``)."""
         with torch.no_grad():
-            for i, (batch, n) in enumerate(real_batches(loader, data.iterate(loader))):
+            for i, (batch, n) in enumerate(real_batches(loader, samples.iterate(loader))):
                 if self.stop is not None and i % CHECK_EVERY == 0 and self.stop():
                     raise StopForRequeue(
                         "preempted during the evaluation: nothing is kept (it runs again whole, "

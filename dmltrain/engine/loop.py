@@ -17,23 +17,25 @@ from typing import Any
 from torch import nn
 from torch.utils.data import DataLoader
 
-from dmltrain import data, evaluation, preemption
-from dmltrain.batches import chunks
-from dmltrain.budget import Budget, Done
 from dmltrain.callback import Events
-from dmltrain.checkpointer import Checkpointer
-from dmltrain.features import Features
-from dmltrain.files import NotWritten
+from dmltrain.checkpoint.checkpointer import Checkpointer
+from dmltrain.data import samples
+from dmltrain.engine import evaluation
+from dmltrain.engine.batches import chunks
+from dmltrain.engine.budget import Budget, Done
+from dmltrain.engine.nan import NanEvent
+from dmltrain.engine.precision import Precision
+from dmltrain.engine.progress import Progress
+from dmltrain.engine.state import TrainState
+from dmltrain.engine.step import ManualStep, OptimizerStep
+from dmltrain.features.builtin import Features
+from dmltrain.features.monitor import Monitor, StepClock
+from dmltrain.features.tracking import Tracker
 from dmltrain.hooks import TrainerHooks
-from dmltrain.launch import DistInfo
-from dmltrain.monitor import Monitor, StepClock
-from dmltrain.nan import NanEvent
-from dmltrain.precision import Precision
-from dmltrain.progress import Progress
-from dmltrain.state import TrainState
-from dmltrain.step import ManualStep, OptimizerStep
-from dmltrain.tracking import Tracker
-from dmltrain.training_log import write_training_log
+from dmltrain.records.files import NotWritten
+from dmltrain.records.training_log import write_training_log
+from dmltrain.runtime import preemption
+from dmltrain.runtime.launch import DistInfo
 
 
 class TrainingLoop(TrainerHooks):
@@ -59,7 +61,7 @@ class TrainingLoop(TrainerHooks):
     _best_metric: str  # of the training log: best.pt and early stopping
     _budget: Budget  # when the run is done: epochs, steps, time, early stopping
     _precision: Precision
-    _step: OptimizerStep | ManualStep  # one optimizer step (dmltrain.step)
+    _step: OptimizerStep | ManualStep  # one optimizer step (dmltrain.engine.step)
     _evaluator: evaluation.Evaluator  # validation, --evaluate and --predict over a loader
     _events: Events  # the callbacks' listeners, built-in features first
     _features: Features  # the built-in features' own points
@@ -124,13 +126,13 @@ class TrainingLoop(TrainerHooks):
         epoch, started = s.epoch + 1, time.perf_counter()  # 1-based, as printed and logged
         self.model.train()
         sampler = self.train_loader.sampler
-        if isinstance(sampler, data.ResumableSampler):
+        if isinstance(sampler, samples.ResumableSampler):
             sampler.set_epoch(s.epoch)
             sampler.start = s.step_in_epoch * loop.grad_accum * loop.batch_size
         # the steps left (the sampler starts where the epoch is), and those done
         steps = s.step_in_epoch + math.ceil(len(self.train_loader) / loop.grad_accum)
         last = self._budget.last_step_in_epoch(steps)  # of --max-steps, when inside the epoch
-        batches = chunks(clock.batches(data.iterate(self.train_loader)), loop.grad_accum)
+        batches = chunks(clock.batches(samples.iterate(self.train_loader)), loop.grad_accum)
         step_end, every = self._events.on_step_end, loop.val_every_steps
         clock.restart()
         for step, micro_batches in enumerate(

@@ -5,9 +5,9 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import Tensor
 
-from dmltrain.batches import to_device
+from dmltrain.checkpoint.snapshot import snapshot
+from dmltrain.engine.batches import to_device
 from dmltrain.errors import UserError
-from dmltrain.snapshot import snapshot
 
 Values = Mapping[str, Tensor | float]
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from dmltrain import compat
 from dmltrain.errors import NonFiniteError
 
 
@@ -39,7 +40,7 @@ def nonfinite(tensors: Iterable[Tensor], device: torch.device) -> Tensor:
         # faster, and NaN or Inf anywhere makes it non-finite as well.
         reduced: Sequence[Tensor] = [t.sum(dtype=torch.float32) for t in local]
     else:
-        reduced = torch._foreach_norm(local, 2, dtype=torch.float32)  # one fused kernel
+        reduced = compat.foreach_norm(local)  # one fused kernel
     return ~torch.isfinite(torch.stack([r.to(device) for r in reduced])).all()
 
 

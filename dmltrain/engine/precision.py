@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor
 
+from dmltrain import compat
 from dmltrain.errors import UserError, first_line
 
 T = TypeVar("T")
@@ -93,16 +94,15 @@ class Precision:
         if self.scaler is None:
             return
         # GradScaler keeps its scale as a device tensor; comparing it before and after the
-        # update tells an overflow step without a host sync. Private: its public
-        # get_scale() returns a float, a host sync every step.
-        before = self.scaler._scale.clone()  # type: ignore[union-attr]
+        # update tells an overflow step without a host sync.
+        before = compat.scaler_scale(self.scaler).clone()
         self.scaler.update()
-        self.skipped += self.scaler._scale < before  # type: ignore[operator]
+        self.skipped += compat.scaler_scale(self.scaler) < before
 
     @property
     def scale(self) -> Tensor | None:
         """The current loss scale (a device tensor), or None without a scaler."""
-        return None if self.scaler is None else self.scaler._scale
+        return None if self.scaler is None else compat.scaler_scale(self.scaler)
 
     def state_dict(self) -> dict[str, Any] | None:
         if self.scaler is None:

@@ -1,7 +1,7 @@
 """``TrainState``: where a run is, what it has logged, and its best value so far.
 
 Together with the model, optimizer, scheduler, precision and RNG states it is what a
-checkpoint holds (``dmltrain.checkpointer``). Every rank keeps the same values, except
+checkpoint holds (``dmltrain.checkpoint.checkpointer``). Every rank keeps the same values, except
 ``metrics``: each rank's sums of the epoch in progress.
 """
 
@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import torch
 
-from dmltrain.metrics import MetricAccumulator
+from dmltrain.engine.metrics import MetricAccumulator
 
 
 @dataclass

@@ -13,13 +13,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from dmltrain import contract
-from dmltrain.batches import batch_size_of, split_step_output, to_device
-from dmltrain.distributed import Strategy
+from dmltrain.engine import contract
+from dmltrain.engine.batches import batch_size_of, split_step_output, to_device
+from dmltrain.engine.nan import NanChecker, NanEvent
+from dmltrain.engine.precision import Precision
+from dmltrain.engine.state import TrainState
 from dmltrain.errors import UserError
-from dmltrain.nan import NanChecker, NanEvent
-from dmltrain.precision import Precision
-from dmltrain.state import TrainState
+from dmltrain.runtime.distributed import Strategy
 
 
 @dataclass

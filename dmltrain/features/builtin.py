@@ -17,11 +17,11 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from dmltrain.callback import Callback
-from dmltrain.ema import EMA
 from dmltrain.errors import PeerLost
-from dmltrain.profiling import Profiler
-from dmltrain.training_log import StepsLog
-from dmltrain.watchdog import Watchdog
+from dmltrain.features.ema import EMA
+from dmltrain.features.profiling import Profiler
+from dmltrain.features.watchdog import Watchdog
+from dmltrain.records.training_log import StepsLog
 
 
 class Feature(Callback):

@@ -17,8 +17,9 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
-import torch
 from torch import Tensor, nn
+
+from dmltrain import compat
 
 
 class EMA:
@@ -47,9 +48,9 @@ class EMA:
         if global_step % self.every_steps:
             return
         if global_step <= self.warmup_steps:
-            torch._foreach_copy_(self.average, self.live)
+            compat.foreach_copy_(self.average, self.live)
         else:
-            torch._foreach_lerp_(self.average, self.live, 1.0 - self.decay)
+            compat.foreach_lerp_(self.average, self.live, 1.0 - self.decay)
 
     def state_dict(self) -> dict[str, Tensor]:
         """The averaged weights under the model's names (a model ``state_dict``), whole
@@ -80,18 +81,18 @@ class EMA:
                 value = distribute_tensor(value, dtensor.device_mesh, dtensor.placements)
                 value = value.to_local()
             values.append(value)
-        torch._foreach_copy_(self.average, values)
+        compat.foreach_copy_(self.average, values)
 
     def restart(self) -> None:
         """The average starts again from the weights as they are (loaded ones)."""
-        torch._foreach_copy_(self.average, self.live)
+        compat.foreach_copy_(self.average, self.live)
 
     @contextlib.contextmanager
     def swapped_in(self) -> Iterator[None]:
         """The model holds the averaged weights inside this block (for validation)."""
         kept = [t.clone() for t in self.live]
-        torch._foreach_copy_(self.live, self.average)
+        compat.foreach_copy_(self.live, self.average)
         try:
             yield
         finally:
-            torch._foreach_copy_(self.live, kept)
+            compat.foreach_copy_(self.live, kept)

@@ -66,7 +66,7 @@ def peak_flops(device: torch.device, precision: str) -> float | None:
 def workers_hint(cpus: int, workers: int) -> str:
     """What to change when waiting for data: ``cpus`` this process has of its own (its
     threads and loader workers, counted from its affinity and SLURM_CPUS_PER_TASK by
-    ``dmltrain.threads``)."""
+    ``dmltrain.runtime.threads``)."""
     if cpus - 1 > workers:
         return (
             f"raise --num-workers (now {workers}; this process has {cpus} CPU(s) of its own: "
@@ -88,7 +88,7 @@ class StepClock:
         self._events: list[tuple[Any, Any]] = []
         self.restart()
 
-    # read by the hang watchdog (dmltrain.watchdog), from its thread
+    # read by the hang watchdog (dmltrain.features.watchdog), from its thread
     slowest = 0.0  # the longest step so far, in seconds
     steps_done = 0
     inside_since: float | None = None  # when the running train_step started

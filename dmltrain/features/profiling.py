@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from dmltrain import compat
 from dmltrain.config import ProfilingConfig
 from dmltrain.errors import UserError, first_line
 
@@ -52,7 +53,7 @@ class Profiler:
         self._done = False
         directory.mkdir(parents=True, exist_ok=True)
         if self.memory:
-            torch.cuda.memory._record_memory_history(max_entries=MEMORY_ENTRIES)
+            compat.record_memory_history(MEMORY_ENTRIES)
 
     def at(self, step: int) -> None:
         """After global step ``step``: start or stop the window."""
@@ -99,8 +100,8 @@ class Profiler:
         self._done = True
 
     def _dump_memory(self) -> None:
-        torch.cuda.memory._dump_snapshot(str(self.directory / f"memory-rank-{self.rank}.pickle"))
-        torch.cuda.memory._record_memory_history(enabled=None)
+        compat.dump_memory_snapshot(str(self.directory / f"memory-rank-{self.rank}.pickle"))
+        compat.record_memory_history(None)
 
 
 def out_of_memory(
@@ -119,7 +120,7 @@ def out_of_memory(
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"oom-rank-{rank}.pickle"
         try:
-            torch.cuda.memory._dump_snapshot(str(path))
+            compat.dump_memory_snapshot(str(path))
             where = (
                 f"the allocator's snapshot is {path} (open it at https://pytorch.org/memory_viz)"
             )

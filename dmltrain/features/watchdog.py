@@ -38,14 +38,13 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from dmltrain.config import DistConfig
+from dmltrain import compat
+from dmltrain.config import HANG_AUTO_FLOOR, HANG_AUTO_SHARE, HANG_MULTIPLE, HangConfig
 from dmltrain.errors import EXIT_PEER_LOST, PeerLost
-from dmltrain.launch import DistInfo
-from dmltrain.monitor import StepClock
+from dmltrain.features.monitor import StepClock
+from dmltrain.runtime.launch import DistInfo
 
-MULTIPLE = 20  # of the slowest step so far
-AUTO_FLOOR = 180.0  # seconds, --hang-timeout 0: a few minutes
-AUTO_SHARE = 0.8  # of --dist-timeout: the stacks are written before a collective gives up
+MULTIPLE, AUTO_FLOOR, AUTO_SHARE = HANG_MULTIPLE, HANG_AUTO_FLOOR, HANG_AUTO_SHARE
 
 
 def limits(hang_timeout: float, dist_timeout: float) -> tuple[float, float]:
@@ -93,13 +92,14 @@ class Watchdog:
         run_dir: Path,
         dist: DistInfo,
         host: str,
-        config: DistConfig,
+        config: HangConfig,
+        dist_timeout: float,
         nccl_dump: Callable[[], bytes] | None,
     ) -> "Watchdog":
         """A rank's watchdog by the run's --hang-timeout and --dist-timeout; a hang's
         line goes to stderr."""
-        shortest, longest = limits(config.hang_timeout, config.dist_timeout)
-        grace = config.dist_timeout + GRACE if dist.world_size > 1 else 0.0  # no collective
+        shortest, longest = limits(config.hang_timeout, dist_timeout)
+        grace = dist_timeout + GRACE if dist.world_size > 1 else 0.0  # no collective
         return cls(
             clock,
             run_dir,
@@ -162,7 +162,7 @@ class Watchdog:
             "in_train_step_s": None if inside is None else time.perf_counter() - inside,
             "written_at": time.time(),  # the wall clock: the files are read on other hosts
         }
-        main = sys._current_frames().get(threading.main_thread().ident or 0)
+        main = compat.main_thread_frame()
         stack = traceback.format_stack(main) if main is not None else []
         where["frame"] = _user_frame(traceback.extract_stack(main) if main is not None else [])
         path = self.directory / f"rank-{self.rank}.txt"

@@ -17,10 +17,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dmltrain import diagnostics
-from dmltrain.checkpoint import list_checkpoints
+from dmltrain.checkpoint.storage import list_checkpoints
 from dmltrain.errors import NonFiniteError, PeerLost, StopForRequeue, UserError, first_line
-from dmltrain.files import NotWritten, write_atomic
+from dmltrain.records.files import NotWritten, write_atomic
+from dmltrain.runtime import diagnostics
 
 OUTCOME = "outcome.json"  # how the run's last job ended (write_outcome)
 

@@ -9,12 +9,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dmltrain.files import why_not_written, write_atomic
+from dmltrain.records.files import why_not_written, write_atomic
 
 
 def write_training_log(path: Path, rows: list[dict[str, Any]]) -> None:
     """All ``rows`` (columns in order of first appearance; a missing value is empty),
-    written whole or not at all (``dmltrain.files``)."""
+    written whole or not at all (``dmltrain.records.files``)."""
     columns: list[str] = []
     for row in rows:
         columns += [key for key in row if key not in columns]

@@ -6,7 +6,7 @@ launcher, strategy and backend, torch / CUDA / cuDNN / NCCL / Horovod / MPI / Py
 versions, the git commit and dirty state of the experiment's code, the command line, the
 resolved config and the relevant environment (``SLURM_*``, ``PBS_*``, ``MASTER_*``,
 ``NCCL_*``, ``CUDA_VISIBLE_DEVICES``, ...; values of names with KEY, TOKEN, PASSWORD,
-SECRET or CREDENTIAL in them redacted by ``dmltrain.launch``).
+SECRET or CREDENTIAL in them redacted by ``dmltrain.runtime.launch``).
 """
 
 import importlib.metadata
@@ -22,12 +22,12 @@ from typing import Any
 
 import torch
 
-from dmltrain.files import write_atomic
-from dmltrain.launch import DistInfo, RunEnvironment, hostname
+from dmltrain.records.files import write_atomic
+from dmltrain.runtime.launch import DistInfo, RunEnvironment, hostname
 
 
 def this_rank(dist: DistInfo, environment: RunEnvironment) -> dict[str, Any]:
-    """What every rank reports at start (its CPUs too: ``dmltrain.threads`` reads them)."""
+    """What every rank reports at start (its CPUs too: ``dmltrain.runtime.threads`` reads them)."""
     device = torch.device(dist.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor()
     return {

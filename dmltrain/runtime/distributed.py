@@ -23,11 +23,12 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.data import Dataset, Sampler
 
-from dmltrain import launch, peers, preflight
+from dmltrain.compat import nccl_flight_recorder, uncompiled
 from dmltrain.config import DistConfig
-from dmltrain.data import ResumableSampler, ShardSampler
+from dmltrain.data.samples import ResumableSampler, ShardSampler
 from dmltrain.errors import PeerFailed, PeerLost, UserError, first_line
-from dmltrain.launch import DistInfo, RunEnvironment, default_device, hostname
+from dmltrain.runtime import launch, peers, preflight
+from dmltrain.runtime.launch import DistInfo, RunEnvironment, default_device, hostname
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -40,13 +41,6 @@ def unwrap(model: nn.Module) -> nn.Module:
             model = uncompiled(model)
         else:
             return model
-
-
-def uncompiled(model: nn.Module) -> nn.Module:
-    """The module inside torch.compile's wrapper (its private ``_orig_mod``: torch has no
-    public way to it), or ``model`` itself."""
-    inner = getattr(model, "_orig_mod", None)
-    return inner if isinstance(inner, nn.Module) else model
 
 
 class Strategy:
@@ -158,7 +152,7 @@ class Strategy:
     def lost_peer(self, exc: BaseException) -> PeerLost | PeerFailed | None:
         """If ``exc`` means another rank went away: a PeerFailed when it failed in its own
         code (``announce_failure``), else a PeerLost naming the ranks and hosts that stopped
-        answering (``dmltrain.peers``)."""
+        answering (``dmltrain.runtime.peers``)."""
         if not (self.info.distributed and peers.means_lost(exc)):
             return None
         here, rank = hostname(), self.info.rank
@@ -284,7 +278,7 @@ class DDPStrategy(Strategy):
         return str(dist.get_backend()) if dist.is_initialized() else "none"
 
     def flight_recorder(self) -> Callable[[], bytes] | None:
-        dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)
+        dump = nccl_flight_recorder()
         return dump if self.backend() == "nccl" and dump is not None else None
 
     def teardown(self) -> None:
@@ -352,7 +346,9 @@ class HorovodStrategy(Strategy):
             ) from None
         hvd.init()
         self.hvd = hvd
-        self.peers = list(hvd.allgather_object((hostname(), os.getpid()), name="dmltrain.peers"))
+        self.peers = list(
+            hvd.allgather_object((hostname(), os.getpid()), name="dmltrain.runtime.peers")
+        )
         local_rank = hvd.local_rank()
         self.info = replace(
             self.info,

@@ -24,6 +24,11 @@ from types import FrameType
 
 from dmltrain.errors import EXIT_REQUEUE
 
+# The agreements on stopping take at most this share of training time, at intervals of at
+# most this many seconds (AgreementSchedule).
+AGREEMENT_SHARE = 0.01
+AGREEMENT_MOST_SECONDS = 10.0
+
 
 class PreemptionWatcher:
     """Turns the given signals (and an optional deadline) into a flag."""
@@ -97,8 +102,8 @@ class AgreementSchedule:
         self,
         seconds: float = 0.5,
         most_steps: int = 10_000,
-        share: float = 0.01,
-        most_seconds: float = 10.0,
+        share: float = AGREEMENT_SHARE,
+        most_seconds: float = AGREEMENT_MOST_SECONDS,
     ) -> None:
         self.seconds, self.most_steps = seconds, most_steps
         self.share, self.most_seconds = share, most_seconds

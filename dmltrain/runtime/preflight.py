@@ -19,9 +19,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dmltrain.diagnostics import package_version
 from dmltrain.errors import UserError, first_line
-from dmltrain.launch import hostname
+from dmltrain.runtime.diagnostics import package_version
+from dmltrain.runtime.launch import hostname
 
 
 def rendezvous(
@@ -29,7 +29,8 @@ def rendezvous(
 ) -> dist.TCPStore:
     """Meet the other ranks at the TCPStore on ``addr:port`` (rank 0 holds it), then make
     the checks across hosts (``check``); the store, for the process group and the roll call
-    after a failed collective (``dmltrain.peers``). Failures are one line naming the node."""
+    after a failed collective (``dmltrain.runtime.peers``). Failures are one line naming the
+    node."""
     here = hostname()
     try:
         store = dist.TCPStore(

@@ -1,11 +1,10 @@
 """Starting and ending processes: ``--nprocs N`` workers started here, and how a rank's
 process leaves.
 
-Who a process is in the job (rank, world size, launcher) is ``dmltrain.launch``'s
+Who a process is in the job (rank, world size, launcher) is ``dmltrain.runtime.launch``'s
 business; this module only starts the workers of ``--nprocs`` and ends ranks' processes.
 """
 
-import atexit
 import contextlib
 import multiprocessing.connection
 import os
@@ -23,8 +22,8 @@ from dmltrain.errors import (
     UserError,
     run_reporting_errors,
 )
-from dmltrain.launch import DistInfo, spawned
-from dmltrain.preemption import PreemptionWatcher
+from dmltrain.runtime.launch import DistInfo, spawned
+from dmltrain.runtime.preemption import PreemptionWatcher
 
 REQUEUE_GRACE_SECONDS = 60.0  # for the other workers to leave once one left to be requeued
 
@@ -162,7 +161,9 @@ def _fit(
     # and the parent's exit handlers (a notebook kernel's) are not this process's to run.
     for signal_name in signals:
         signal.signal(signal.Signals[signal_name], signal.SIG_IGN)
-    atexit._clear()  # private, as atexit._run_exitfuncs in leave()
+    from dmltrain import compat  # here: it imports torch, which the command loads later
+
+    compat.forget_exit_handlers()
     trainer = trainer_cls(config, options, dist=spawned(parent, local_rank))
     trainer.name = name
     exit_on_error(trainer.fit, trainer.dist.rank, trainer.dist.world_size)
@@ -209,9 +210,9 @@ def leave(code: int) -> NoReturn:
     """End a rank's process with ``code``: the ``atexit`` handlers run (an experiment's
     clean-up, logging's flush) and output is flushed, but the interpreter's teardown is
     skipped (see ``exit_on_error``)."""
-    # Private, as no public call runs the handlers without the teardown; errors in a
-    # handler are printed and the others still run.
-    atexit._run_exitfuncs()
+    from dmltrain import compat  # here: it imports torch, which the command loads later
+
+    compat.run_exit_handlers()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

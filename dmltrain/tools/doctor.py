@@ -20,8 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dmltrain import launch, preflight, processes
 from dmltrain.errors import UserError, first_line
+from dmltrain.runtime import launch, preflight, processes
 
 
 @dataclass
@@ -38,7 +38,8 @@ class Check:
 
 
 def _all_reduce(rank: int, world: int, backend: str, addr: str, port: int, device: str) -> float:
-    """The sum over ranks of rank+1, after the checks across hosts (``dmltrain.preflight``)."""
+    """The sum over ranks of rank+1, after the checks across hosts
+    (``dmltrain.runtime.preflight``)."""
     interface = launch.run_environment().socket_interface is not None
     store = preflight.rendezvous(rank, world, addr, port, 60, interface)
     timeout = datetime.timedelta(seconds=60)

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from dmltrain.errors import UserError
-from dmltrain.training_log import read_training_log
+from dmltrain.records.training_log import read_training_log
 
 SIZE = (12.0, 4.5)  # inches; at DPI this is the PNG's size in pixels
 DPI = 100

@@ -10,7 +10,7 @@ The sweep lives in ``runs/<name>/``: ``sweep.json`` (what was asked), ``trials.c
 (trial, options, status) and ``trial-<i>/`` per trial, whose ``args`` file is the trial's
 command line and which is the trial's run directory: a preempted trial requeues and
 resumes there like any run, and one whose ``outcome.json`` says done is never started
-again. The trials run as a Slurm job array (``dmltrain.sweep_submit``) or on this machine
+again. The trials run as a Slurm job array (``dmltrain.tools.sweep_submit``) or on this machine
 (``--local``).
 """
 
@@ -27,9 +27,9 @@ from typing import Any
 
 import yaml
 
-from dmltrain import rundir
 from dmltrain.errors import UserError, first_line
-from dmltrain.training_log import read_training_log
+from dmltrain.records import rundir
+from dmltrain.records.training_log import read_training_log
 
 
 def load_space(path: Path, known: set[str]) -> dict[str, Any]:

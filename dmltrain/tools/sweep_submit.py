@@ -1,4 +1,4 @@
-"""The ``dmltrain sweep`` command: expand and check the trials (``dmltrain.sweep``), then
+"""The ``dmltrain sweep`` command: expand and check the trials (``dmltrain.tools.sweep``), then
 submit them as a Slurm job array or run them on this machine (``--local``);
 ``dmltrain sweep status DIR`` tells where each trial stands.
 
@@ -20,10 +20,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from dmltrain import submit
 from dmltrain.errors import EXIT_PEER_LOST, EXIT_REQUEUE, UserError
-from dmltrain.launch import child_env, cpu_set, physical_cores, split_gpus
-from dmltrain.sweep import Sweep, best, check_trials, expand, given, load_space
+from dmltrain.runtime.launch import child_env, cpu_set, physical_cores, split_gpus
+from dmltrain.tools import submit
+from dmltrain.tools.sweep import Sweep, best, check_trials, expand, given, load_space
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -1,0 +1,85 @@
+"""Every private API of torch and Python that dmltrain uses, each with why no public one
+serves: when an upgrade breaks one, this page is where to look.
+
+Imported lazily where torch is not yet loaded (the ``dmltrain`` command starts without it).
+"""
+
+import atexit
+import sys
+import threading
+from collections.abc import Callable
+from types import FrameType
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+def foreach_copy_(targets: list[Tensor], sources: list[Tensor]) -> None:
+    """One fused copy of many tensors (EMA): ``torch._foreach_copy_``; a loop of ``copy_``
+    launches a kernel per tensor."""
+    torch._foreach_copy_(targets, sources)
+
+
+def foreach_lerp_(targets: list[Tensor], ends: list[Tensor], weight: float) -> None:
+    """One fused ``lerp_`` over many tensors (the EMA update): ``torch._foreach_lerp_``."""
+    torch._foreach_lerp_(targets, ends, weight)
+
+
+def foreach_norm(tensors: list[Tensor]) -> list[Tensor]:
+    """The float32 2-norms of many tensors in one fused kernel (NaN checks):
+    ``torch._foreach_norm``; ``torch.linalg.vector_norm`` per tensor costs a kernel each."""
+    return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+
+
+def scaler_scale(scaler: torch.amp.GradScaler) -> Tensor:
+    """The loss scale as the scaler's device tensor (``_scale``): the public
+    ``get_scale()`` returns a float, a host sync at every step."""
+    return scaler._scale  # type: ignore[return-value]
+
+
+def uncompiled(model: nn.Module) -> nn.Module:
+    """The module inside ``torch.compile``'s wrapper (its ``_orig_mod``: torch has no
+    public way to it), or ``model`` itself."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) else model
+
+
+def nccl_flight_recorder() -> Callable[[], bytes] | None:
+    """What dumps NCCL's flight recorder (``_dump_fr_trace``, the record of a hang's
+    collectives), where this torch has it: there is no public call."""
+    return getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)
+
+
+def record_memory_history(max_entries: int | None) -> None:
+    """Start (``max_entries``) or stop (None) CUDA's allocation history: the private
+    ``torch.cuda.memory._record_memory_history`` is the documented way (PyTorch's "Understanding
+    CUDA Memory Usage")."""
+    if max_entries is None:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    else:
+        torch.cuda.memory._record_memory_history(max_entries=max_entries)
+
+
+def dump_memory_snapshot(path: str) -> None:
+    """The allocation history as a pickle for pytorch.org/memory_viz (``_dump_snapshot``,
+    documented there as the way)."""
+    torch.cuda.memory._dump_snapshot(path)
+
+
+def main_thread_frame() -> FrameType | None:
+    """The main thread's current frame, read from another thread (the hang watchdog):
+    ``sys._current_frames`` is the only way."""
+    return sys._current_frames().get(threading.main_thread().ident or 0)
+
+
+def forget_exit_handlers() -> None:
+    """A forked worker does not run its parent's exit handlers (a notebook kernel's):
+    ``atexit._clear``, as no public call removes handlers one did not register."""
+    atexit._clear()
+
+
+def run_exit_handlers() -> Any:
+    """The exit handlers without the interpreter's teardown (``atexit._run_exitfuncs``):
+    no public call runs them alone; a handler's error is printed and the others run."""
+    return atexit._run_exitfuncs()

@@ -1,0 +1,1 @@
+"""Tools around runs: submit, sweep, doctor, plot."""
