@@ -69,7 +69,7 @@ def add_resources(resources: Any) -> None:
 def scripts_dir() -> Path:
     """``slurm/`` of this checkout, else the copy installed under ``<prefix>/share``."""
     for candidate in (
-        Path(__file__).resolve().parent.parent / "slurm",
+        Path(__file__).resolve().parents[2] / "slurm",  # dmltrain/tools/submit.py
         Path(sys.prefix) / "share" / "dmltrain" / "slurm",
     ):
         if (candidate / "run.sh").is_file():
