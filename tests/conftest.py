@@ -78,6 +78,7 @@ QUICK = (
     "test_checkpoint.py::test_contents_load_with_plain_torch_and_no_prefixes",
     "test_checkpoint.py::test_kill_9_during_writes_never_breaks_latest",
     "test_cli.py::test_config_file_then_flags",
+    "test_submit.py::test_slurm_torchrun_script_has_one_task_per_node_and_the_command",
     "test_cli.py::test_boolean_flags_come_in_pairs_and_override_the_config_file",
     "test_cli.py::test_custom_experiment_through_main",
     "test_cli.py::test_bad_input_is_one_line_and_exit_2[args1",
