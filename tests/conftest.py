@@ -53,6 +53,7 @@ QUICK = (
     "test_features.py",
     "test_launch.py",
     "test_metrics.py",
+    "test_packaging.py",
     "test_mnist_data.py",
     "test_peers.py",
     "test_progress.py",
