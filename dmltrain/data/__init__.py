@@ -1,1 +1,2 @@
-"""The data pipeline's order and randomness: which sample of which epoch, and the generators of a process."""
+"""The data pipeline's order and randomness: which sample of which epoch, and the
+generators of a process."""
