@@ -7,7 +7,7 @@ Imported lazily where torch is not yet loaded (the ``dmltrain`` command starts w
 import atexit
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import Any
 
@@ -26,10 +26,10 @@ def foreach_lerp_(targets: list[Tensor], ends: list[Tensor], weight: float) -> N
     torch._foreach_lerp_(targets, ends, weight)
 
 
-def foreach_norm(tensors: list[Tensor]) -> list[Tensor]:
+def foreach_norm(tensors: list[Tensor]) -> Sequence[Tensor]:
     """The float32 2-norms of many tensors in one fused kernel (NaN checks):
     ``torch._foreach_norm``; ``torch.linalg.vector_norm`` per tensor costs a kernel each."""
-    return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+    return torch._foreach_norm(tensors, 2, dtype=torch.float32)
 
 
 def scaler_scale(scaler: torch.amp.GradScaler) -> Tensor:

@@ -44,8 +44,6 @@ from dmltrain.errors import EXIT_PEER_LOST, PeerLost
 from dmltrain.features.monitor import StepClock
 from dmltrain.runtime.launch import DistInfo
 
-MULTIPLE, AUTO_FLOOR, AUTO_SHARE = HANG_MULTIPLE, HANG_AUTO_FLOOR, HANG_AUTO_SHARE
-
 
 def limits(hang_timeout: float, dist_timeout: float) -> tuple[float, float]:
     """(the shortest timeout, the longest): ``--hang-timeout`` and no limit; for 0 (auto)
@@ -53,8 +51,8 @@ def limits(hang_timeout: float, dist_timeout: float) -> tuple[float, float]:
     waiting for the hung rank gives up."""
     if hang_timeout:
         return hang_timeout, float("inf")
-    ceiling = AUTO_SHARE * dist_timeout
-    return min(AUTO_FLOOR, ceiling), ceiling
+    ceiling = HANG_AUTO_SHARE * dist_timeout
+    return min(HANG_AUTO_FLOOR, ceiling), ceiling
 
 
 GATHER_SECONDS = 30.0  # rank 0 waits this long for the other ranks' files
@@ -120,9 +118,9 @@ class Watchdog:
         self._stop.set()
 
     def timeout(self) -> float:
-        """The minimum, or the slowest step so far times ``MULTIPLE`` if longer; in auto
+        """The minimum, or the slowest step so far times ``HANG_MULTIPLE`` if longer; in auto
         mode never past the collectives' own timeout (``ceiling``)."""
-        return min(max(self.minimum, MULTIPLE * self.clock.slowest), self.ceiling)
+        return min(max(self.minimum, HANG_MULTIPLE * self.clock.slowest), self.ceiling)
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
