@@ -28,7 +28,7 @@ from typing import Any, NoReturn
 import argparse_dataclass
 
 from dmltrain.config import SECTIONS, TrainConfig, field_names, load_config_file, to_yaml
-from dmltrain.errors import EXIT_PEER_LOST, UserError, run_reporting_errors
+from dmltrain.errors import EXIT_PEER_LOST, UserError, forget_interrupt, run_reporting_errors
 from dmltrain.records.files import NotWritten, write_atomic
 from dmltrain.runtime import processes
 from dmltrain.trainer import BaseTrainer
@@ -436,5 +436,6 @@ def entry() -> int:
     try:
         return main()
     except KeyboardInterrupt:  # before the run catches signals (it stops at a step then)
+        forget_interrupt()
         print("dmltrain: interrupted", file=sys.stderr, flush=True)
         return 130

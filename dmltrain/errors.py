@@ -4,6 +4,7 @@ The CLI turns a ``UserError`` into one line on stderr and exit code 2; library c
 raises it with a message that says what is wrong and what to do instead.
 """
 
+import signal
 import sys
 import traceback
 from collections.abc import Callable
@@ -63,6 +64,39 @@ class RankFailed(OneLine):
         self.exit_code = exit_code
 
 
+class CountingInterrupt:
+    """SIGINT's handler until the run takes the signal over: Python's own (it raises
+    ``KeyboardInterrupt``), counting as well. Python drops an exception raised in a weakref
+    callback or a destructor ("Exception ignored in ..."), and a Ctrl-C landing there during
+    start-up would be lost; with the count, the run still sees it when it takes the signal
+    (``PreemptionWatcher``)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, signum: int, frame: object) -> None:
+        self.count += 1
+        raise KeyboardInterrupt
+
+    @classmethod
+    def install(cls) -> None:
+        """In a process of the command's own, where SIGINT has Python's handler (one started
+        with SIGINT ignored, as a shell's background job is, keeps ignoring it)."""
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, cls())
+
+
+def forget_interrupt() -> None:
+    """Let a Ctrl-C that was caught end the process with the status its catcher returns.
+
+    CPython (3.11 at least) marks a KeyboardInterrupt that leaves code run by ``exec`` of a
+    string (dataclasses build their methods so, at import) as unhandled even when a caller
+    catches it, and at exit kills the process by SIGINT instead; each such ``exec`` clears the
+    mark as it starts.
+    """
+    exec("", {})
+
+
 def run_reporting_errors(fn: Callable[[], object], rank: int, world_size: int) -> int:
     """Run ``fn``; turn failures into one clear message on stderr and an exit code.
 
@@ -81,6 +115,7 @@ def run_reporting_errors(fn: Callable[[], object], rank: int, world_size: int) -
         print(f"dmltrain: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code or 1
     except KeyboardInterrupt:
+        forget_interrupt()
         print(f"dmltrain: {who}interrupted", file=sys.stderr, flush=True)
         return 130
     except StopForRequeue as exc:

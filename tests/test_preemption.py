@@ -42,6 +42,36 @@ def test_handler_only_sets_a_flag():
     assert signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL
 
 
+DROPPED_CTRL_C = """
+import signal, weakref
+from dmltrain.errors import CountingInterrupt
+from dmltrain.runtime.preemption import PreemptionWatcher
+
+CountingInterrupt.install()
+
+class Thing:
+    pass
+
+thing = Thing()
+ref = weakref.ref(thing, lambda _: signal.raise_signal(signal.SIGINT))
+del thing  # Python drops the KeyboardInterrupt raised in the callback: "Exception ignored"
+print("went on", flush=True)
+try:
+    PreemptionWatcher(["SIGINT"])
+except KeyboardInterrupt:
+    print("stopped when the run took SIGINT over")
+"""
+
+
+def test_a_ctrl_c_that_python_dropped_during_start_up_still_stops_the_run():
+    """A KeyboardInterrupt raised in a weakref callback (one of importlib's, during start-up)
+    is dropped by Python; the run still stops when its watcher takes SIGINT over."""
+    out = subprocess.run([sys.executable, "-c", DROPPED_CTRL_C], capture_output=True,
+                         text=True, timeout=60)  # fmt: skip
+    assert "Exception ignored" in out.stderr and "KeyboardInterrupt" in out.stderr, out.stderr
+    assert out.stdout.splitlines() == ["went on", "stopped when the run took SIGINT over"]
+
+
 def test_deadline_before_the_time_limit():
     watcher = PreemptionWatcher([], deadline=time.time() - 1)
     assert watcher.local_request() and watcher.requested == "time limit"

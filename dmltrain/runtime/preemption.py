@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable
 from types import FrameType
 
-from dmltrain.errors import EXIT_REQUEUE
+from dmltrain.errors import EXIT_REQUEUE, CountingInterrupt
 
 # The agreements on stopping take at most this share of training time, at intervals of at
 # most this many seconds (AgreementSchedule).
@@ -42,6 +42,10 @@ class PreemptionWatcher:
         self.worker = worker  # a --nprocs worker (its parent's end is told apart)
         self._received: list[int] = []  # signal numbers not yet taken by ``take_received``
         self._previous: dict[int, object] = {}
+        for name in signal_names:
+            previous = signal.getsignal(signal.Signals[name])
+            if isinstance(previous, CountingInterrupt) and previous.count:
+                raise KeyboardInterrupt  # a Ctrl-C during start-up that Python dropped
         for name in signal_names:
             number = signal.Signals[name]
             self._previous[number] = signal.signal(number, self._handle)
