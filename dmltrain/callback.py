@@ -20,6 +20,7 @@ global generators (``torch``, ``numpy``, ``random``): use a ``torch.Generator`` 
 
 from collections.abc import Callable, Iterable, Mapping
 from importlib import metadata
+from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 from dmltrain.errors import UserError, first_line
@@ -39,12 +40,13 @@ class Stateful(Protocol):
 class Callback:
     """Override the events you need; each gets the trainer (``BaseTrainer``).
 
-    In a run's order: ``on_setup``, ``on_train_start``, then per epoch ``on_epoch_start``,
-    per step ``on_before_optimizer_step`` and ``on_step_end`` (``on_log`` at each log
-    interval), ``on_validation_end``, ``on_epoch_end``; at the end ``on_train_end``, and
-    ``on_close`` however the run ends. Every event runs on every rank except ``on_log``
-    (rank 0). A collective may be called only in an event every rank fires in step:
-    not ``on_log``.
+    In a run's order: ``on_setup``, ``on_load_checkpoint`` (when one is loaded),
+    ``on_train_start``, then per epoch ``on_epoch_start``, per step
+    ``on_before_optimizer_step`` and ``on_step_end`` (``on_log`` at each log interval),
+    ``on_validation_end``, ``on_epoch_end``; ``on_save_checkpoint`` before each checkpoint;
+    at the end ``on_train_end``, and ``on_close`` however the run ends. Every event runs on
+    every rank except ``on_log`` (rank 0). A collective may be called only in an event every
+    rank fires in step: not ``on_log``.
     """
 
     state_key: ClassVar[str | None] = None  # its key in checkpoints (default: class name)
@@ -75,6 +77,15 @@ class Callback:
     def on_epoch_end(self, trainer: Any, row: Mapping[str, Any]) -> None:
         """After each epoch, with its row of the training log."""
 
+    def on_save_checkpoint(self, trainer: Any) -> None:
+        """A checkpoint is about to be taken, at a step boundary: the states'
+        ``state_dict()`` are read next (every rank, in step)."""
+
+    def on_load_checkpoint(self, trainer: Any, path: Path) -> None:
+        """A checkpoint was loaded: on resume and ``--on-nan rollback`` model, optimizers,
+        counters and states hold its values; with ``--load-weights``, what the --load-*
+        flags asked for."""
+
     def on_train_end(self, trainer: Any) -> None:
         """The run is done (not called when a job stops to be requeued)."""
 
@@ -100,6 +111,8 @@ class Events:
         self.on_log = listeners["on_log"]
         self.on_validation_end = listeners["on_validation_end"]
         self.on_epoch_end = listeners["on_epoch_end"]
+        self.on_save_checkpoint = listeners["on_save_checkpoint"]
+        self.on_load_checkpoint = listeners["on_load_checkpoint"]
         self.on_train_end = listeners["on_train_end"]
         self.on_close = listeners["on_close"]
 

@@ -33,11 +33,17 @@ def reference(tmp_path_factory):
 
 def test_a_user_callback_logs_keeps_its_counter_through_a_preemption(tmp_path, reference):
     run = tmp_path / "run"
-    logged = ["--grad-norms-every", "2", "--tracker", "", "--tensorboard"]
+    logged = ["--grad-norms-every", "2", "--tracker", "", "--tensorboard", "--listen-all"]
     train(run, *logged, "--signal-rank", "1", "--signal-at-step", "8", *AT_ONCE, code=3)
-    assert load_file(run / "checkpoints" / "latest.pt")["states"] == {"GradNorms": {"logged": 4}}
+    latest = load_file(run / "checkpoints" / "latest.pt")
+    assert latest["states"] == {"GradNorms": {"logged": 4}}
+    stopped_at = latest["global_step"]  # the agreed boundary after the signal
     train(run, *logged)
-    assert_same_run(reference, run)  # the callback changed nothing
+    assert_same_run(reference, run)  # the callbacks changed nothing
+    for rank in (0, 1):  # the resumed job loaded that checkpoint, and told its callbacks
+        seen = json.loads((run / f"events.{rank}.json").read_text())
+        assert seen["loaded"] == [[f"ckpt-000002-{stopped_at:08d}.pt", stopped_at]]
+        assert seen["saved_at"] == [12, 18] and seen["steps"][0] == stopped_at + 1
     scalars = tensorboard_scalars(run)
     assert scalars["grad_norms_logged"] == [(s, s / 2) for s in range(2, 19, 2)]  # resumed
     for name in ("0.weight", "0.bias", "3.weight", "3.bias"):
@@ -55,9 +61,10 @@ def test_a_callback_on_every_event_changes_no_bit(tmp_path, reference):
         assert seen["seen"] == {
             "on_setup": 1, "on_train_start": 1, "on_epoch_start": 3,
             "on_before_optimizer_step": 18, "on_step_end": 18, "on_validation_end": 3,
-            "on_epoch_end": 3, "on_train_end": 1, "on_close": 1,
+            "on_epoch_end": 3, "on_save_checkpoint": 3, "on_train_end": 1, "on_close": 1,
             **({"on_log": 3} if rank == 0 else {}),  # rank 0 only, once an epoch here
         }  # fmt: skip
+        assert seen["saved_at"] == [6, 12, 18] and seen["loaded"] == []
 
 
 def test_a_trainer_owns_its_names_step_monitor_state(tmp_path, reference):

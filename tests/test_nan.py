@@ -5,6 +5,7 @@ every rank's exit status: all must stop in the same step with the NaN status, no
 hang in the next all-reduce or die of a lost peer.
 """
 
+import json
 import sys
 import time
 
@@ -105,11 +106,15 @@ def test_rollback_reloads_and_continues_past_the_bad_batch(skipped, tmp_path):
 def test_rollback_from_the_first_steps_uses_the_start_checkpoint(tmp_path):
     run = tmp_path / "run"
     injection = ["--nan-rank", "0", "--nan-at-step", "0", "--nan-into", "gradient"]
-    results, _ = two_ranks(run, "--on-nan", "rollback", *injection)
+    results, _ = two_ranks(run, "--on-nan", "rollback", *injection, "--listen-all")
     for status, output in results:
         assert status == 0, output[-2000:]
     assert "rolled back to" in results[0][1] and "ckpt-000000-00000000.pt" in results[0][1]
     assert "epoch 1 step 1 will be skipped" in results[0][1]
+    for rank in (0, 1):  # the callbacks were told, as on a resume
+        seen = json.loads((run / f"events.{rank}.json").read_text())
+        assert seen["loaded"] == [["ckpt-000000-00000000.pt", 0]]
+        assert seen["saved_at"][0] == 0  # the start checkpoint
 
 
 def test_detect_anomaly_names_the_backward_op_that_made_the_nan(tmp_path):

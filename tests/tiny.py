@@ -190,6 +190,8 @@ class EveryEvent(Callback):
     def __init__(self) -> None:
         self.seen: dict[str, int] = {}
         self.steps: list[int] = []
+        self.saved_at: list[int] = []  # the global step of each on_save_checkpoint
+        self.loaded: list[list] = []  # each on_load_checkpoint: [file name, global step]
 
     def _saw(self, name: str) -> None:
         self.seen[name] = self.seen.get(name, 0) + 1
@@ -219,13 +221,22 @@ class EveryEvent(Callback):
     def on_epoch_end(self, trainer, row):
         self._saw("on_epoch_end")
 
+    def on_save_checkpoint(self, trainer):
+        self._saw("on_save_checkpoint")
+        self.saved_at.append(trainer.global_step)
+
+    def on_load_checkpoint(self, trainer, path):
+        self._saw("on_load_checkpoint")
+        self.loaded.append([path.name, trainer.global_step])
+
     def on_train_end(self, trainer):
         self._saw("on_train_end")
 
     def on_close(self, trainer, error):
         self._saw("on_close")
         path = trainer.run_dir / f"events.{trainer.dist.rank}.json"
-        record = {"seen": self.seen, "steps": self.steps, "error": type(error).__name__}
+        record = {"seen": self.seen, "steps": self.steps, "error": type(error).__name__,
+                  "saved_at": self.saved_at, "loaded": self.loaded}  # fmt: skip
         path.write_text(json.dumps(record))
 
 

@@ -163,6 +163,9 @@ class Checkpointer:
             )
         self.last_save = time.monotonic()
         self.written = 0  # checkpoints this job saved (the batch scripts' --status-file)
+        # the callbacks' on_save_checkpoint and on_load_checkpoint (the trainer sets them)
+        self.before_save: Callable[[], None] = lambda: None
+        self.loaded: Callable[[Path], None] = lambda path: None
 
     # ----- when -------------------------------------------------------------------------
     def minutes_due(self) -> bool:
@@ -191,6 +194,7 @@ class Checkpointer:
         next one is tried as usual; unless it ``must`` be written: then every rank stops
         with that line."""
         with self.quiet():
+            self.before_save()
             self._save(best, must)
 
     def _save(self, best: bool, must: bool) -> None:
@@ -301,6 +305,7 @@ class Checkpointer:
                 f"{s.step_in_epoch} steps into it, global step {s.global_step})"
             )
             self._resized(state)
+            self.loaded(path)
         elif load_weights:
             path = Path(load_weights)
             state = load_file(path)
@@ -319,6 +324,7 @@ class Checkpointer:
             parts = Parts(cfg.load_optimizer, cfg.load_scheduler, cfg.load_scaler, cfg.load_epoch)
             self._load(state, path, parts)
             self.say(f"dmltrain: weights loaded from {load_weights}")
+            self.loaded(path)
 
     def rollback(self, epoch: int, step: int) -> None:
         """Every rank reloads the newest valid checkpoint of this run and will skip the
@@ -333,6 +339,7 @@ class Checkpointer:
         self._load(load_file(path), path, EVERYTHING)
         self.saved.state.skip_steps.add((epoch, step))
         self.say(f"dmltrain: rolled back to {path}; epoch {epoch} step {step} will be skipped")
+        self.loaded(path)
 
     def _latest(self) -> str | None:
         """The newest checkpoint of this run that loads (rank 0 looks; corrupt ones are

@@ -161,6 +161,9 @@ class TrainerSetup(TrainingLoop):
             self._progress.info,
             self.warn,
         )
+        # the listeners as they are when a checkpoint is taken or loaded
+        self._checkpointer.before_save = lambda: self._fire(self._events.on_save_checkpoint)
+        self._checkpointer.loaded = lambda path: self._fire(self._events.on_load_checkpoint, path)
         self._checkpointer.restore()
         if evaluating:
             return
