@@ -81,6 +81,10 @@ class TinyOptions:
         default=False,
         metadata={"help": "a OneCycleLR schedule stepped each step over self.total_steps"},
     )
+    schedule: str = field(
+        default="",
+        metadata={"help": "cosine or step: a schedule stepped each step, sized by total_steps"},
+    )
     val_samples: int = field(default=32, metadata={"help": "validation samples"})
     test_samples: int = field(default=0, metadata={"help": "test samples (0: no test set)"})
     grad_norms_every: int = field(
@@ -320,6 +324,12 @@ class TinyTrainer(BaseTrainer):
                 torch.optim.SGD(layers[-1].parameters(), lr=1e-2, momentum=0.9)]  # fmt: skip
 
     def create_scheduler(self, optimizer):
+        lr = torch.optim.lr_scheduler
+        if self.opts.schedule:
+            self.scheduler_interval = "step"
+            if self.opts.schedule == "cosine":
+                return lr.CosineAnnealingLR(optimizer, T_max=self.total_steps)
+            return lr.StepLR(optimizer, step_size=max(1, self.total_steps // 3), gamma=0.1)
         if not self.opts.one_cycle:
             return super().create_scheduler(optimizer)
         self.scheduler_interval = "step"  # it raises if stepped more than total_steps times

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dmltrain.checkpoint import schedules
 from dmltrain.checkpoint.model_state import (
     check_model_fits,
     load_optimizers_state_by_name,
@@ -87,8 +88,11 @@ def _schedulers_state(schedulers: tuple[Any, ...]) -> Any:
     return [scheduler.state_dict() for scheduler in schedulers]
 
 
-def _load_schedulers(schedulers: tuple[Any, ...], saved: Any, path: Path) -> None:
-    """The inverse of ``_schedulers_state`` (a checkpoint's schedulers into these)."""
+def _load_schedulers(
+    schedulers: tuple[Any, ...], saved: Any, path: Path, say: Callable[[str], None]
+) -> None:
+    """The inverse of ``_schedulers_state`` (a checkpoint's schedulers into these, or
+    these replayed to the saved position: ``schedules``)."""
     states = saved if isinstance(saved, list) else [saved]
     if len(states) != len(schedulers):
         if not schedulers:
@@ -98,7 +102,7 @@ def _load_schedulers(schedulers: tuple[Any, ...], saved: Any, path: Path) -> Non
             f"{len(schedulers)}; use --load-weights without --load-scheduler"
         )
     for scheduler, state in zip(schedulers, states, strict=True):
-        scheduler.load_state_dict(state)
+        schedules.load(scheduler, state, path, say)
 
 
 def _dcp() -> Any:
@@ -458,7 +462,7 @@ class Checkpointer:
             for each in saved.optimizers:  # saved before its first step: keep it fresh
                 each.state.clear()
         if parts.scheduler and state["scheduler"] is not None:
-            _load_schedulers(saved.schedulers, state["scheduler"], path)
+            _load_schedulers(saved.schedulers, state["scheduler"], path, self.say)
         if parts.scaler:
             saved.precision.load_state_dict(state.get("scaler"))
         if saved.ema is not None:  # the checkpoint's average, or these weights as the start
