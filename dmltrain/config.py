@@ -803,17 +803,27 @@ def load_config_file(path: str, classes: list[type]) -> dict[str, Any]:
     return values
 
 
+# What names one run rather than how it trains: config.yaml shows it as a comment, so that
+# a copy of the file reused with --config starts a run of its own instead of resuming this.
+RUN_ONLY = ("run_dir",)
+
+
 def to_yaml(config: TrainConfig, options: Any = None, options_title: str = "options") -> str:
     """The resolved config as flat YAML, one commented part per section (and the
-    experiment's options); ``--config`` loads it back."""
+    experiment's options); ``--config`` loads it back, all but ``RUN_ONLY``."""
     groups: list[tuple[str, Any]] = [(title, getattr(config, attr)) for attr, title, _ in SECTIONS]
     if dataclasses.is_dataclass(options) and not isinstance(options, type):
         groups.append((options_title, options))
     parts = []
     for title, instance in groups:
         values = dataclasses.asdict(instance)
-        if values:
-            parts.append(f"# {title}\n" + yaml.safe_dump(values, sort_keys=False))
+        if not values:
+            continue
+        own = {key: values.pop(key) for key in RUN_ONLY if key in values}
+        text = f"# {title}\n" + (yaml.safe_dump(values, sort_keys=False) if values else "")
+        for key, value in own.items():
+            text += f"# {key}: {value}  (this run's own: not loaded back by --config)\n"
+        parts.append(text)
     return "\n".join(parts)
 
 

@@ -146,7 +146,7 @@ def test_resolved_config_is_written_and_print_config_prints_it(tmp_path):
     done = run_cli(*args, "--progress", "log", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     written = (run / "config.yaml").read_text()
-    for line in ("epochs: 1", "batch_size: 8", "seed: 7", f"run_dir: {run}", "samples: 96"):
+    for line in ("epochs: 1", "batch_size: 8", "seed: 7", f"# run_dir: {run}", "samples: 96"):
         assert line in written and line not in done.stdout
     summary = done.stdout.split("epoch 1/1", 1)[0]
     assert f"tiny -> {run} (options: config.yaml there" in summary
@@ -154,9 +154,9 @@ def test_resolved_config_is_written_and_print_config_prints_it(tmp_path):
     assert "data 96 training and 32 validation samples; 12 steps an epoch of global batch 8 " \
         "(1 process(es) x 8)" in summary  # fmt: skip
     assert len(summary.splitlines()) <= 8, summary
-    # The written file is itself a valid --config.
+    # The written file is itself a valid --config, for a run of its own (not this one's).
     again = parse(["tiny", "--config", str(run / "config.yaml")], {"tiny": TINY})
-    assert again[1].seed == 7 and again[1].run_dir == str(run)
+    assert again[1].seed == 7 and again[1].run_dir is None
     log = (run / "training_log.csv").read_text()
     printed = run_cli(*args, "--progress", "log", "--print-config", "--epochs", "2", cwd=tmp_path)
     assert printed.returncode == 0, printed.stderr
@@ -166,6 +166,11 @@ def test_resolved_config_is_written_and_print_config_prints_it(tmp_path):
         ran, "num_workers: auto"
     )
     assert (run / "training_log.csv").read_text() == log  # printing trained nothing more
+    reused = run_cli("tiny", "--config", str(run / "config.yaml"), "--progress", "log",
+                     cwd=tmp_path)  # fmt: skip
+    assert reused.returncode == 0 and "resuming" not in reused.stdout, reused.stdout
+    assert (run / "training_log.csv").read_text() == log  # a run of its own, elsewhere
+    assert re.search(r"tiny -> (\S+) \(options", reused.stdout).group(1) != str(run)
 
 
 def test_a_file_that_registers_no_experiment_or_two_is_one_line(tmp_path):

@@ -106,4 +106,6 @@ def test_resolved_yaml_loads_back_to_the_same_config(tmp_path):
     config = TrainConfig(epochs=7, lr=0.5, run_dir="r", num_workers=1)
     path = tmp_path / "config.yaml"
     path.write_text(to_yaml(config))
-    assert TrainConfig(**load_config_file(str(path), [TrainConfig])) == config
+    assert "# run_dir: r  (this run's own: not loaded back by --config)" in path.read_text()
+    loaded = TrainConfig(**load_config_file(str(path), [TrainConfig]))
+    assert loaded == dataclasses.replace(config, run_dir=None)  # a copy starts a run of its own
