@@ -37,3 +37,37 @@ def test_bar_mode_draws_tqdm_on_stderr_and_keeps_stdout_for_summaries(capsys):
     assert len(reads) == 3
     assert "epoch 1/1" in capsys.readouterr().err  # tqdm's description
     assert out.getvalue().splitlines() == ["epoch 1/1 train_loss 0.5"]
+
+
+def test_after_a_mid_epoch_resume_throughput_and_epoch_time_are_those_of_a_whole_run(tmp_path):
+    """The first interval after a resume counts only the samples trained since (not the
+    epoch's before it), and the resumed epoch's time includes the part before the resume:
+    both within the range of an uninterrupted run's."""
+    import csv
+    import statistics
+
+    from helpers import AT_ONCE, run_cli
+
+    args = ["tiny", "--epochs", "1", "--batch-size", "8", "--step-sleep", "0.05", "--progress",
+            "log", "--log-every", "1"]  # fmt: skip
+
+    def rows(run, name):
+        with open(run / name) as file:
+            return list(csv.DictReader(file))
+
+    whole = tmp_path / "whole"
+    assert run_cli(*args, "--run-dir", str(whole), cwd=tmp_path).returncode == 0
+    resumed = tmp_path / "resumed"
+    stop = ["--signal-rank", "0", "--signal-at-step", "8", *AT_ONCE]
+    assert run_cli(*args, *stop, "--run-dir", str(resumed), cwd=tmp_path).returncode == 3
+    done = run_cli(*args, "--run-dir", str(resumed), cwd=tmp_path)
+    assert done.returncode == 0 and "resuming from" in done.stdout, done.stderr
+    rates = [float(r["samples_per_s"]) for r in rows(whole, "steps.csv")]
+    typical = statistics.median(rates)
+    after = [float(r["samples_per_s"]) for r in rows(resumed, "steps.csv")]
+    assert len(after) == 12
+    # wide bounds for a loaded machine: the fault was 9x, and half the time
+    assert all(typical / 3 < rate < 2.5 * typical for rate in after), (typical, after)
+    took = float(rows(whole, "training_log.csv")[0]["epoch_time_s"])
+    resumed_took = float(rows(resumed, "training_log.csv")[0]["epoch_time_s"])
+    assert 0.6 * took < resumed_took < 1.7 * took, (took, resumed_took)

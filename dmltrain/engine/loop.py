@@ -9,7 +9,6 @@ the events (``callback``, ``features``); the loop names no feature.
 import contextlib
 import math
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -89,7 +88,9 @@ class TrainingLoop(TrainerHooks):
         done = before
         self._epochs_this_job = 0
         while s.epoch < epochs and done is None:
-            epoch, started = s.epoch, time.perf_counter()
+            epoch = s.epoch
+            if s.step_in_epoch == 0:  # not resumed inside it
+                s.epoch_began = s.seconds()
             self.on_epoch_start(epoch)
             self._fire(self._events.on_epoch_start)
             outcome = self._train_epoch()
@@ -101,7 +102,7 @@ class TrainingLoop(TrainerHooks):
             best, done = False, None
             if not (outcome and outcome.validated):
                 with self._features.quiet():
-                    row, best, done = self._epoch_row(epoch, started, partial=outcome is not None)
+                    row, best, done = self._epoch_row(epoch, partial=outcome is not None)
                     if outcome is None:
                         self._close_epoch(epoch, row)
             timed = budget.time_agreed(self.strategy.max_over_ranks)
@@ -123,7 +124,7 @@ class TrainingLoop(TrainerHooks):
         (preempted), the non-finite step to roll back from, the budget that ended the run
         in the epoch, or None at the epoch's end."""
         loop, s, clock = self.config.loop, self._state, self._step_clock
-        epoch, started = s.epoch + 1, time.perf_counter()  # 1-based, as printed and logged
+        epoch = s.epoch + 1  # 1-based, as printed and logged
         self.model.train()
         sampler = self.train_loader.sampler
         if isinstance(sampler, samples.ResumableSampler):
@@ -136,7 +137,8 @@ class TrainingLoop(TrainerHooks):
         step_end, every = self._events.on_step_end, loop.val_every_steps
         clock.restart()
         for step, micro_batches in enumerate(
-            self._progress.epoch(batches, epoch, loop.epochs, steps), start=s.step_in_epoch + 1
+            self._progress.epoch(batches, epoch, loop.epochs, steps, s.metrics.count),
+            start=s.step_in_epoch + 1,
         ):
             if (epoch, step) not in s.skip_steps:  # not dropped by a rollback
                 event = self._step.run(micro_batches, epoch, step)
@@ -151,7 +153,7 @@ class TrainingLoop(TrainerHooks):
                 self._log_interval(step, epoch)
             if every and s.global_step % every == 0 and step < steps and self.val_loader:
                 with self._features.quiet():
-                    _, best, stop_early = self._epoch_row(s.epoch, started, partial=True)
+                    _, best, stop_early = self._epoch_row(s.epoch, partial=True)
                 self.model.train()
                 clock.restart()
                 if best:
@@ -191,9 +193,7 @@ class TrainingLoop(TrainerHooks):
         if self._tracker.active:
             self._tracker.log({f"train/{k}": v for k, v in values.items()}, s.global_step)
 
-    def _epoch_row(
-        self, epoch: int, started: float, partial: bool
-    ) -> tuple[dict[str, Any], bool, str | None]:
+    def _epoch_row(self, epoch: int, partial: bool) -> tuple[dict[str, Any], bool, str | None]:
         """Training means and validation make the epoch's row of the training log (the
         epoch's so far when ``partial``: a validation inside it); it is written, shown and
         tracked. Returns the row, whether it is the best so far, and why the run stops
@@ -208,7 +208,7 @@ class TrainingLoop(TrainerHooks):
         row.update({f"val_{k}": v for k, v in val.items()})
         # world_size changes when a run resumes on another number of processes
         row.update(lr=self._lr(), world_size=self.dist.world_size)
-        row["epoch_time_s"] = round(time.perf_counter() - started, 3)
+        row["epoch_time_s"] = round(s.epoch_seconds(), 3)  # with the part before a resume
         if self._precision.scaler is not None:  # fp16 steps dropped on overflow, in all
             row["skipped_steps"] = int(self._precision.skipped)
         s.log_rows.append(row)

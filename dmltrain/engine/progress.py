@@ -65,9 +65,13 @@ class Progress:
         if self.enabled:
             print(message, file=self.stream, flush=True)
 
-    def epoch(self, batches: Iterable[Any], epoch: int, epochs: int, total: int) -> Iterator[Any]:
+    def epoch(
+        self, batches: Iterable[Any], epoch: int, epochs: int, total: int, done: int = 0
+    ) -> Iterator[Any]:
+        """``batches`` shown as epoch ``epoch`` of ``total`` steps; ``done``: this rank's
+        samples of it before a resume (the throughput counts from there)."""
         self._epoch, self._epochs, self._total = epoch, epochs, total
-        self._last_time, self._last_samples = time.perf_counter(), 0
+        self._last_time, self._last_samples = time.perf_counter(), done
         if self.mode in ("bar", "notebook"):
             bar: Any = tqdm
             if self.mode == "notebook":

@@ -24,6 +24,7 @@ class TrainState:
     best_at: tuple[int, int] | None = None  # (epoch, global step) of the best validation
     bad_validations: int = 0  # in a row without improvement (--early-stop-patience)
     train_seconds: float = 0.0  # the run's training time over all its jobs, as last loaded
+    epoch_began: float = 0.0  # ``seconds()`` when the epoch in progress began
     tracking_run_id: str | None = None  # the first tracker's (wandb's), as older runs kept
     tracker_run_ids: dict[str, str] = field(default_factory=dict)  # by --tracker name
     skip_steps: set[tuple[int, int]] = field(default_factory=set)  # (epoch, step) known bad
@@ -55,6 +56,10 @@ class TrainState:
         base, started = self._clock
         return base + time.monotonic() - started
 
+    def epoch_seconds(self) -> float:
+        """The epoch in progress' training time so far, the part before a resume included."""
+        return self.seconds() - self.epoch_began
+
     def end_epoch(self) -> None:
         """The epoch in progress is done (its row is in ``log_rows``)."""
         self.epoch, self.step_in_epoch = self.epoch + 1, 0
@@ -80,6 +85,7 @@ class TrainState:
             "best_at": self.best_at,
             "bad_validations": self.bad_validations,
             "train_seconds": self.seconds(),
+            "epoch_began": self.epoch_began,
             "tracking_run_id": self.tracking_run_id,
             "tracker_run_ids": dict(self.tracker_run_ids),
             "skip_steps": sorted(self.skip_steps),
@@ -97,6 +103,8 @@ class TrainState:
         self.best_at = None if best_at is None else (int(best_at[0]), int(best_at[1]))
         self.bad_validations = int(state.get("bad_validations", 0))
         self.train_seconds = float(state.get("train_seconds", 0.0))
+        # older checkpoints: the epoch's time counts from the resume
+        self.epoch_began = float(state.get("epoch_began", self.train_seconds))
         self.tracking_run_id = state.get("tracking_run_id")
         older = {"wandb": self.tracking_run_id} if self.tracking_run_id else {}
         self.tracker_run_ids = dict(state.get("tracker_run_ids", older))
