@@ -97,6 +97,13 @@ REQUIRE_ALL = os.environ.get("DMLTRAIN_TEST_REQUIRE_ALL") == "1"
 # (by default they agree about every half second: a test run would end first).
 AT_ONCE = ("--preempt-check-seconds", "0")
 
+
+def sigint_at_default() -> None:
+    """``preexec_fn`` of a child that must answer Ctrl-C as from a terminal: a suite started
+    in the background (``&``) ignores SIGINT, and its children would inherit that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 # 2 ranks under OpenMPI, as root and on fewer cores than ranks (this machine, CI).
 MPIRUN = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2"]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import AT_ONCE, TINY, assert_same_run, cli_env, run_cli
+from helpers import AT_ONCE, TINY, assert_same_run, cli_env, run_cli, sigint_at_default
 from test_checkpoint import small_disk  # noqa: F401 (a fixture)
 
 from dmltrain.records import rundir
@@ -407,7 +407,8 @@ def test_ctrl_c_during_start_up_is_one_line(tmp_path, after):
 
     proc = subprocess.Popen([sys.executable, "-m", "dmltrain", *STEPS, "--step-sleep", "0.2",
                              "--run-dir", str(tmp_path / "run")], cwd=tmp_path, env=cli_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=sigint_at_default)  # fmt: skip
     time.sleep(after)
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=120)

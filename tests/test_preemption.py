@@ -67,7 +67,7 @@ def test_a_ctrl_c_that_python_dropped_during_start_up_still_stops_the_run():
     """A KeyboardInterrupt raised in a weakref callback (one of importlib's, during start-up)
     is dropped by Python; the run still stops when its watcher takes SIGINT over."""
     out = subprocess.run([sys.executable, "-c", DROPPED_CTRL_C], capture_output=True,
-                         text=True, timeout=60)  # fmt: skip
+                         text=True, timeout=60, preexec_fn=helpers.sigint_at_default)  # fmt: skip
     assert "Exception ignored" in out.stderr and "KeyboardInterrupt" in out.stderr, out.stderr
     assert out.stdout.splitlines() == ["went on", "stopped when the run took SIGINT over"]
 
