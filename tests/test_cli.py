@@ -162,7 +162,9 @@ def test_resolved_config_is_written_and_print_config_prints_it(tmp_path):
     assert printed.returncode == 0, printed.stderr
     # config.yaml holds what ran: --num-workers auto as the number it became
     ran = re.search(r"^num_workers: (\d+)$", written, re.MULTILINE).group(0)
-    assert printed.stdout == written.replace("epochs: 1", "epochs: 2").replace(
+    options, made = written.split("\n# what was built\n")  # made: what ran, not options
+    assert "# optimizer: Adam lr=0.001 " in made
+    assert printed.stdout == options.replace("epochs: 1", "epochs: 2").replace(
         ran, "num_workers: auto"
     )
     assert (run / "training_log.csv").read_text() == log  # printing trained nothing more

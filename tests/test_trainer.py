@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dmltrain import DistInfo, TrainConfig, UserError
+from dmltrain import BaseTrainer, DistInfo, TrainConfig, UserError
 from dmltrain.records.training_log import read_training_log
 from tiny import TinyOptions, TinyTrainer
 
@@ -61,6 +61,30 @@ class StepLRTrainer(TinyTrainer):
 def test_scheduler_steps_each_epoch(tmp_path):
     _, rows = fit(tmp_path, StepLRTrainer, lr=0.08)
     assert [r["lr"] for r in rows] == pytest.approx([0.08, 0.04, 0.02])
+
+
+class FlagsTrainer(StepLRTrainer):
+    create_optimizer = BaseTrainer.create_optimizer  # --optimizer, --lr, --weight-decay
+
+
+def test_config_yaml_records_the_optimizers_and_schedulers_built(tmp_path):
+    """What ran, beside the flags: an experiment's own create_optimizer may ignore them."""
+    fit(tmp_path, name="own", options=TinyOptions(two_optimizers="auto"), epochs=1)
+    own = (tmp_path / "own" / "config.yaml").read_text()
+    assert own.endswith(
+        "# what was built\n"
+        "# (by the experiment's own create_optimizer: --optimizer, --lr and --weight-decay\n"
+        "# above apply only as far as it reads them)\n"
+        "# optimizer: Adam lr=0.001 betas=(0.9, 0.999) eps=1e-08 weight_decay=0\n"
+        "# optimizer: SGD lr=0.01 momentum=0.9 weight_decay=0 nesterov=False\n"
+    ), own
+    fit(tmp_path, FlagsTrainer, name="flags", epochs=1, optimizer="sgd", weight_decay=0.1)
+    flags = (tmp_path / "flags" / "config.yaml").read_text()
+    assert flags.endswith(
+        "# what was built\n"
+        "# optimizer: SGD lr=0.05 momentum=0 weight_decay=0.1 nesterov=False\n"
+        "# scheduler: StepLR step_size=1 gamma=0.5\n"
+    ), flags
 
 
 class PerStepTrainer(StepLRTrainer):

@@ -39,6 +39,7 @@ from dmltrain.features.ema import EMA
 from dmltrain.features.monitor import Monitor, StepClock, peak_flops
 from dmltrain.features.tracking import create_trackers
 from dmltrain.features.watchdog import Watchdog
+from dmltrain.hooks import TrainerHooks
 from dmltrain.records import rundir
 from dmltrain.records.training_log import StepsLog
 from dmltrain.runtime import diagnostics, launch, preemption, threads
@@ -293,7 +294,9 @@ class TrainerSetup(TrainingLoop):
         (all ranks)."""
         deadline, steps_log = None, None
         if self.dist.is_main:
-            text = to_yaml(self.config, self.options, f"{self.name} options")
+            own = type(self).create_optimizer is not TrainerHooks.create_optimizer
+            made = rundir.built(self.optimizers, self._schedulers, own)
+            text = to_yaml(self.config, self.options, f"{self.name} options") + "\n" + made
             self._progress.info(
                 f"dmltrain: {self.name} -> {self.run_dir} (options: config.yaml there; "
                 "--print-config prints them)"

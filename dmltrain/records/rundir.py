@@ -143,6 +143,39 @@ def _taken(path: Path, resume: str) -> str | None:
     return None
 
 
+SHOWN = ("lr", "momentum", "betas", "eps", "weight_decay", "nesterov")  # of an optimizer
+
+
+def built(optimizers: tuple[Any, ...], schedulers: tuple[Any, ...], own: bool) -> str:
+    """config.yaml's last part: the optimizers and schedulers the run built, as comments
+    (``own``: by the experiment's ``create_optimizer``, which may ignore the flags)."""
+    lines = ["# what was built"]
+    if own:
+        lines.append(
+            "# (by the experiment's own create_optimizer: --optimizer, --lr and --weight-decay\n"
+            "# above apply only as far as it reads them)"
+        )
+    for optimizer in optimizers:
+        group = optimizer.param_groups[0]
+        values = {k: group[k] for k in SHOWN if k in group}
+        if "initial_lr" in group:  # a scheduler's: the lr it started from
+            values["lr"] = group["initial_lr"]
+        shown = " ".join(f"{k}={v}" for k, v in values.items())
+        lines.append(f"# optimizer: {type(optimizer).__name__} {shown}".rstrip())
+    for scheduler in schedulers:
+        state = scheduler.state_dict()
+        values = {
+            k: v
+            for k, v in state.items()
+            if not k.startswith("_")
+            and k not in ("last_epoch", "verbose", "base_lrs")
+            and isinstance(v, (int, float, str))
+        }
+        shown = " ".join(f"{k}={v}" for k, v in values.items())
+        lines.append(f"# scheduler: {type(scheduler).__name__} {shown}".rstrip())
+    return "\n".join(lines) + "\n"
+
+
 def write_records(run_dir: Path, config_yaml: str, info: dict[str, Any]) -> str:
     """``config.yaml`` and ``diagnostics.json`` (rank 0); returns the startup summary."""
     write_atomic(run_dir / "config.yaml", config_yaml)
