@@ -3,6 +3,7 @@ preemption with requeue, the --epochs-per-job chain), slurm/torchrun.sh, slurm/h
 and slurm/chain.sh; `dmltrain submit slurm`. Each final log and weights equal an
 uninterrupted run."""
 
+import os
 import re
 import shutil
 import subprocess
@@ -166,6 +167,22 @@ def test_submit_slurm_writes_the_script_into_the_run_directory_and_completes(
     assert "#SBATCH --ntasks-per-node=2" in (run / "submit-slurm.sh").read_text()
     assert list(run.glob("slurm-*.out"))
     assert_same_run(tiny_reference, run)
+
+
+def test_submit_refuses_a_job_the_partition_can_never_start(slurm, tmp_path):
+    """More CPUs a node than the partition's nodes have: sbatch would queue it for ever
+    (PartitionConfig); dmltrain submit says what does not fit and submits nothing."""
+    name = f"cannot-fit-{os.getpid()}"
+    too_many = str(os.cpu_count() + 1)  # the test cluster's node has os.cpu_count() CPUs
+    args = ["submit", "slurm", *TINY, "--cpus-per-task", too_many, "--job-name", name]
+    done = run_cli(*args, "--time", "10", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
+    (line,) = [x for x in done.stderr.splitlines() if x.startswith("dmltrain: error:")]
+    assert line.startswith("dmltrain: error: Slurm could never start this job (")
+    assert f"1 node(s) of {os.cpu_count()} CPUs" in line and "not submitted" in line
+    queued = subprocess.run(["squeue", "-h", "-n", name], capture_output=True, text=True)
+    assert queued.stdout.strip() == ""
 
 
 def test_preempted_job_checkpoints_requeues_resumes_and_completes(slurm, tiny_reference, tmp_path):

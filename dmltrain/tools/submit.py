@@ -181,6 +181,31 @@ def render(args: argparse.Namespace, flags: Sequence[str], run_dir: Path, target
     return "\n".join(lines[:at] + filled + lines[at:]) + "\n"
 
 
+def check_fits(script: Path, partition: str | None) -> None:
+    """Whether Slurm could ever start the job (``sbatch --test-only``): one that asks more
+    CPUs, GPUs or nodes than the partition has would wait forever as ``PartitionConfig``."""
+    test = subprocess.run(
+        ["sbatch", "--test-only", str(script)], capture_output=True, text=True, timeout=60
+    )
+    if test.returncode == 0:
+        return
+    why = test.stderr.strip().splitlines()[-1:] or [test.stdout.strip()]
+    where = ["-p", partition] if partition else []
+    nodes = subprocess.run(
+        ["sinfo", "-h", *where, "-o", "%P %D node(s) of %c CPUs, GPUs %G"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    lines = nodes.stdout.replace("GPUs (null)", "no GPUs").splitlines()[:3]
+    have = "; ".join(lines) or "sinfo says nothing"
+    raise UserError(
+        f"Slurm could never start this job ({why[0]}): it asks more than the partition "
+        f"has ({have}); lower --tasks-per-node, --cpus-per-task or --gpus-per-node, or "
+        f"choose another --queue (the script is {script}, not submitted)"
+    )
+
+
 def submit(
     args: argparse.Namespace, flags: Sequence[str], check_flags: Callable[[list[str]], object]
 ) -> int:
@@ -205,6 +230,8 @@ def submit(
         print(text, end="")
         print(f"dmltrain: wrote {target}; submit it with: {command[0]} {target}")
         return 0
+    if args.system == "slurm":
+        check_fits(target, args.queue)
     done = subprocess.run([*command, str(target)], capture_output=True, text=True)
     if done.returncode != 0:
         raise UserError(f"{command[0]} refused the job: {done.stderr.strip() or done.stdout}")
