@@ -173,14 +173,15 @@ def test_submit_refuses_a_job_the_partition_can_never_start(slurm, tmp_path):
     """More CPUs a node than the partition's nodes have: sbatch would queue it for ever
     (PartitionConfig); dmltrain submit says what does not fit and submits nothing."""
     name = f"cannot-fit-{os.getpid()}"
-    too_many = str(os.cpu_count() + 1)  # the test cluster's node has os.cpu_count() CPUs
-    args = ["submit", "slurm", *TINY, "--cpus-per-task", too_many, "--job-name", name]
+    info = ["sinfo", "-h", "-o", "%c"]
+    cpus = int(subprocess.run(info, capture_output=True, text=True, check=True).stdout.split()[0])
+    args = ["submit", "slurm", *TINY, "--cpus-per-task", str(cpus + 1), "--job-name", name]
     done = run_cli(*args, "--time", "10", cwd=tmp_path)
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
     (line,) = [x for x in done.stderr.splitlines() if x.startswith("dmltrain: error:")]
     assert line.startswith("dmltrain: error: Slurm could never start this job (")
-    assert f"1 node(s) of {os.cpu_count()} CPUs" in line and "not submitted" in line
+    assert f"1 node(s) of {cpus} CPUs" in line and "not submitted" in line
     queued = subprocess.run(["squeue", "-h", "-n", name], capture_output=True, text=True)
     assert queued.stdout.strip() == ""
 
