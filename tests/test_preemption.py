@@ -72,6 +72,32 @@ def test_a_ctrl_c_that_python_dropped_during_start_up_still_stops_the_run():
     assert out.stdout.splitlines() == ["went on", "stopped when the run took SIGINT over"]
 
 
+def test_a_short_jobs_early_notice_waits_for_its_own_deadline():
+    """In a job shorter than the batch script's notice, the first SIGUSR1 (even one during
+    setup) is said and left to the job's own deadline; another signal still stops it."""
+    for during_setup in (False, True):
+        watcher, said = PreemptionWatcher(["SIGUSR1", "SIGTERM"]), []
+        try:
+            if during_setup:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            watcher.stop_at(preemption.Deadline(time.time() + 3600, "SIGUSR1"), said.append)
+            if not during_setup:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            assert not watcher.local_request() and len(said) == 1, said
+            assert said[0].startswith("dmltrain: SIGUSR1 now is the batch script's time-limit")
+            assert not watcher.local_request() and len(said) == 1  # said once
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert watcher.local_request() and watcher.why() == "SIGTERM"
+        finally:
+            watcher.restore()
+    watcher = PreemptionWatcher(["SIGUSR1"])
+    try:
+        watcher.stop_at(preemption.Deadline(time.time() - 1, "SIGUSR1"), print)
+        assert watcher.local_request() and watcher.why() == "time limit"
+    finally:
+        watcher.restore()
+
+
 def test_deadline_before_the_time_limit():
     watcher = PreemptionWatcher([], deadline=time.time() - 1)
     assert watcher.local_request() and watcher.requested == "time limit"

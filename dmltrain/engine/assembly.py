@@ -338,5 +338,5 @@ class TrainerSetup(TrainingLoop):
             self._state.tracker_run_ids = self._tracker.run_ids
             minutes = self.config.preemption.stop_before_end_minutes  # rank 0 asks Slurm, once
             deadline = preemption.stop_deadline(self.dist.job_id, minutes, self.warn)
-        self._watcher.deadline = self.strategy.broadcast_object(deadline)
+        self._watcher.stop_at(self.strategy.broadcast_object(deadline), self._progress.info)
         return steps_log

@@ -20,6 +20,7 @@ import signal
 import subprocess
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import FrameType
 
 from dmltrain.errors import EXIT_REQUEUE, CountingInterrupt
@@ -42,6 +43,9 @@ class PreemptionWatcher:
         self.worker = worker  # a --nprocs worker (its parent's end is told apart)
         self._received: list[int] = []  # signal numbers not yet taken by ``take_received``
         self._previous: dict[int, object] = {}
+        self._defer: str | None = None  # a signal that waits for the deadline (Deadline)
+        self._noticed, self._noticed_name = False, ""  # it came: said at the next boundary
+        self._say: Callable[[str], None] = lambda line: None
         for name in signal_names:
             previous = signal.getsignal(signal.Signals[name])
             if isinstance(previous, CountingInterrupt) and previous.count:
@@ -52,7 +56,11 @@ class PreemptionWatcher:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         # only flags: the loop (or the --nprocs parent, which forwards) does the work
-        self.requested = self.requested or signal.Signals(signum).name
+        name = signal.Signals(signum).name
+        if name == self._defer:  # the first: a short job's early notice (Deadline)
+            self._defer, self._noticed, self._noticed_name = None, True, name
+        else:
+            self.requested = self.requested or name
         self._received.append(signum)
 
     def take_received(self) -> list[int]:
@@ -60,7 +68,22 @@ class PreemptionWatcher:
         taken, self._received = self._received, []
         return taken
 
+    def stop_at(self, stop: "Deadline | None", say: Callable[[str], None]) -> None:
+        """The job's own deadline (every rank the same); ``say``: rank 0's printer."""
+        self.deadline = None if stop is None else stop.at
+        self._defer = None if stop is None else stop.defer
+        self._say = say
+        if self._defer is not None and self.requested == self._defer:  # came during setup
+            self._defer, self._noticed, self._noticed_name = None, True, self.requested
+            self.requested = None
+
     def local_request(self) -> bool:
+        if self._noticed:
+            self._noticed = False
+            self._say(
+                f"dmltrain: {self._noticed_name} now is the batch script's time-limit notice, "
+                "sized for longer jobs: this job checkpoints and stops at its own deadline"
+            )
         if self.requested is None and self.deadline is not None and time.time() >= self.deadline:
             self.requested = "time limit"
         return self.requested is not None
@@ -188,32 +211,64 @@ def requeue(job_id: str | None, say: Callable[[str], None]) -> None:
         )
 
 
-def slurm_end_time(job_id: str | None) -> float | None:
-    """The job's end time (seconds since the epoch) as Slurm reports it, or None."""
+def slurm_times(job_id: str | None) -> tuple[float, float] | None:
+    """The job's start and end time (seconds since the epoch) as Slurm reports them, or
+    None."""
     if job_id is None or shutil.which("squeue") is None:
         return None
     try:
         out = subprocess.run(
-            ["squeue", "-h", "-j", job_id, "-o", "%e"], capture_output=True, text=True, timeout=20
-        ).stdout.strip()
-        return time.mktime(time.strptime(out, "%Y-%m-%dT%H:%M:%S"))
+            ["squeue", "-h", "-j", job_id, "-o", "%S %e"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout.split()
+        start, end = (time.mktime(time.strptime(t, "%Y-%m-%dT%H:%M:%S")) for t in out)
+        return start, end
     except (OSError, ValueError, subprocess.TimeoutExpired):
         return None  # unlimited, unknown, or not a Slurm job
 
 
+# A job shorter than --stop-before-end-minutes stops this share of its length before its end.
+SHORT_JOB_SHARE = 0.25
+# The batch scripts' time-limit notice (#SBATCH --signal=USR1@300) comes at once in such a
+# job; the job takes it for its own deadline (``Deadline.defer``).
+NOTICE_SIGNAL = "SIGUSR1"
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """When the job checkpoints and stops by itself (seconds since the epoch), and a signal
+    that, coming before then, means only that (a short job's early time-limit notice)."""
+
+    at: float
+    defer: str | None = None
+
+
 def stop_deadline(
     job_id: str | None, minutes_before: float, warn: Callable[[str], None]
-) -> float | None:
-    """When to checkpoint and stop: ``minutes_before`` the Slurm job's time limit; None
-    outside Slurm, without a limit, or when that moment has passed already."""
-    end = slurm_end_time(job_id)
-    if end is None:
+) -> Deadline | None:
+    """When to checkpoint and stop: ``minutes_before`` the Slurm job's time limit, or in a
+    job too short for that, ``SHORT_JOB_SHARE`` of its length before it; None outside
+    Slurm, without a limit, or when that moment has passed already."""
+    times = slurm_times(job_id)
+    if times is None:
         return None
-    deadline = end - 60 * minutes_before
-    if deadline <= time.time():  # stopping now would only requeue forever
+    start, end = times
+    now = time.time()
+    if end - 60 * minutes_before > now:
+        return Deadline(end - 60 * minutes_before)
+    margin = SHORT_JOB_SHARE * (end - start)
+    if end - margin <= now:  # stopping now would only requeue forever
         warn(
             f"--stop-before-end-minutes {minutes_before} is more than the time left in job "
-            f"{job_id}; not stopping early"
+            f"{job_id}, and so is a quarter of its length; not stopping early: a checkpoint "
+            "is saved only at the usual points before the time limit ends the job"
         )
         return None
-    return deadline
+    warn(
+        f"--stop-before-end-minutes {minutes_before} is more than the time left in job "
+        f"{job_id}: it checkpoints and stops {margin:.0f} s before its time limit instead, and "
+        f"a {NOTICE_SIGNAL} before then (the batch script's notice) waits for that"
+    )
+    return Deadline(end - margin, defer=NOTICE_SIGNAL)
