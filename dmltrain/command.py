@@ -7,9 +7,9 @@ import sys
 
 def entry() -> int:
     try:
-        from dmltrain.errors import CountingInterrupt
+        from dmltrain.runtime.preemption import StartupSignals
 
-        CountingInterrupt.install()
+        StartupSignals.install()
         from dmltrain.cli import entry as run
     except KeyboardInterrupt:
         print("dmltrain: interrupted while starting", file=sys.stderr, flush=True)

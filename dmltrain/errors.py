@@ -4,7 +4,6 @@ The CLI turns a ``UserError`` into one line on stderr and exit code 2; library c
 raises it with a message that says what is wrong and what to do instead.
 """
 
-import signal
 import sys
 import traceback
 from collections.abc import Callable
@@ -62,28 +61,6 @@ class RankFailed(OneLine):
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
         self.exit_code = exit_code
-
-
-class CountingInterrupt:
-    """SIGINT's handler until the run takes the signal over: Python's own (it raises
-    ``KeyboardInterrupt``), counting as well. Python drops an exception raised in a weakref
-    callback or a destructor ("Exception ignored in ..."), and a Ctrl-C landing there during
-    start-up would be lost; with the count, the run still sees it when it takes the signal
-    (``PreemptionWatcher``)."""
-
-    def __init__(self) -> None:
-        self.count = 0
-
-    def __call__(self, signum: int, frame: object) -> None:
-        self.count += 1
-        raise KeyboardInterrupt
-
-    @classmethod
-    def install(cls) -> None:
-        """In a process of the command's own, where SIGINT has Python's handler (one started
-        with SIGINT ignored, as a shell's background job is, keeps ignoring it)."""
-        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            signal.signal(signal.SIGINT, cls())
 
 
 def forget_interrupt() -> None:

@@ -96,6 +96,7 @@ QUICK = (
     "test_precision.py::test_grad_accumulation_with_a_short_last_group",
     "test_preemption.py::test_handler_only_sets_a_flag",
     "test_preemption.py::test_a_ctrl_c_that_python_dropped_during_start_up_still_stops_the_run",
+    "test_preemption.py::test_a_signal_during_start_up_is_acted_on_when_the_run_takes_it_over",
     "test_preemption.py::test_a_short_jobs_early_notice_waits_for_its_own_deadline",
     "test_preemption.py::test_deadline_before_the_time_limit",
     "test_preemption.py::test_the_agreement_comes_every_agreed_number_of_boundaries",

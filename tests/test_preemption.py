@@ -44,10 +44,9 @@ def test_handler_only_sets_a_flag():
 
 DROPPED_CTRL_C = """
 import signal, weakref
-from dmltrain.errors import CountingInterrupt
-from dmltrain.runtime.preemption import PreemptionWatcher
+from dmltrain.runtime.preemption import PreemptionWatcher, StartupSignals
 
-CountingInterrupt.install()
+StartupSignals.install()
 
 class Thing:
     pass
@@ -70,6 +69,29 @@ def test_a_ctrl_c_that_python_dropped_during_start_up_still_stops_the_run():
                          text=True, timeout=60, preexec_fn=helpers.sigint_at_default)  # fmt: skip
     assert "Exception ignored" in out.stderr and "KeyboardInterrupt" in out.stderr, out.stderr
     assert out.stdout.splitlines() == ["went on", "stopped when the run took SIGINT over"]
+
+
+EARLY_USR1 = """
+import os, signal
+from dmltrain.runtime.preemption import PreemptionWatcher, StartupSignals
+
+StartupSignals.install()
+os.kill(os.getpid(), signal.SIGUSR1)  # before the run catches signals: kept, not fatal
+print("went on", flush=True)
+watcher = PreemptionWatcher(["SIGTERM", "SIGUSR1"])
+print(watcher.local_request(), watcher.why(), flush=True)
+watcher.restore()
+PreemptionWatcher(["SIGTERM"])  # SIGUSR1 not a preemption signal: its default from here
+os.kill(os.getpid(), signal.SIGUSR1)
+print("not reached")
+"""
+
+
+def test_a_signal_during_start_up_is_acted_on_when_the_run_takes_it_over():
+    out = subprocess.run([sys.executable, "-c", EARLY_USR1], capture_output=True, text=True,
+                         timeout=60)  # fmt: skip
+    assert out.stdout.splitlines() == ["went on", "True SIGUSR1"], out.stderr
+    assert out.returncode == -signal.SIGUSR1
 
 
 def test_a_short_jobs_early_notice_waits_for_its_own_deadline():

@@ -23,12 +23,48 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from types import FrameType
 
-from dmltrain.errors import EXIT_REQUEUE, CountingInterrupt
+from dmltrain.errors import EXIT_REQUEUE
 
 # The agreements on stopping take at most this share of training time, at intervals of at
 # most this many seconds (AgreementSchedule).
 AGREEMENT_SHARE = 0.01
 AGREEMENT_MOST_SECONDS = 10.0
+
+
+class StartupSignals:
+    """The handler of SIGINT, SIGTERM and SIGUSR1 from the command's start until the run
+    takes them over (``PreemptionWatcher``), which acts on those that came.
+
+    SIGINT raises ``KeyboardInterrupt`` as Python's own handler does, so a long start-up
+    stops at once; but Python drops an exception raised in a weakref callback or a
+    destructor ("Exception ignored in ..."), where a Ctrl-C would be lost. SIGTERM and
+    SIGUSR1 are only kept: by their default action they would end the process, and Slurm
+    sends a job shorter than the batch script's notice its USR1 at the very start."""
+
+    NAMES = ("SIGINT", "SIGTERM", "SIGUSR1")
+
+    def __init__(self) -> None:
+        self.received: list[str] = []
+
+    def __call__(self, signum: int, frame: object) -> None:
+        name = signal.Signals(signum).name
+        self.received.append(name)
+        if name == "SIGINT":
+            raise KeyboardInterrupt
+
+    @classmethod
+    def install(cls) -> None:
+        """In a process of the command's own; a signal it was started ignoring (a shell's
+        background job ignores SIGINT) stays ignored."""
+        handler = cls()
+        for name in cls.NAMES:
+            number = signal.Signals[name]
+            if signal.getsignal(number) is _default(number):
+                signal.signal(number, handler)
+
+
+def _default(number: int) -> object:
+    return signal.default_int_handler if number == signal.SIGINT else signal.SIG_DFL
 
 
 class PreemptionWatcher:
@@ -46,13 +82,24 @@ class PreemptionWatcher:
         self._defer: str | None = None  # a signal that waits for the deadline (Deadline)
         self._noticed, self._noticed_name = False, ""  # it came: said at the next boundary
         self._say: Callable[[str], None] = lambda line: None
-        for name in signal_names:
-            previous = signal.getsignal(signal.Signals[name])
-            if isinstance(previous, CountingInterrupt) and previous.count:
-                raise KeyboardInterrupt  # a Ctrl-C during start-up that Python dropped
+        early: list[str] = []  # what came during start-up (StartupSignals)
+        for name in StartupSignals.NAMES:
+            number = signal.Signals[name]
+            held = signal.getsignal(number)
+            if isinstance(held, StartupSignals):
+                early += held.received
+                if name not in signal_names:  # not a preemption signal: as before the start
+                    signal.signal(number, _default(number))  # type: ignore[arg-type]
+        if "SIGINT" in early:
+            raise KeyboardInterrupt  # a Ctrl-C during start-up that Python dropped
         for name in signal_names:
             number = signal.Signals[name]
             self._previous[number] = signal.signal(number, self._handle)
+        for name in dict.fromkeys(early):
+            if name in signal_names:
+                self._handle(signal.Signals[name], None)
+            else:
+                signal.raise_signal(signal.Signals[name])  # its default action, now
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         # only flags: the loop (or the --nprocs parent, which forwards) does the work
