@@ -3,7 +3,6 @@ not registered; those on run before the experiment's callbacks, EMA first; the e
 points (quiet, explain, validation, stop) reach every feature that has them."""
 
 import contextlib
-from types import SimpleNamespace
 
 import torch
 
@@ -18,6 +17,7 @@ from dmltrain.features.builtin import (
     StepsLogFeature,
 )
 from dmltrain.features.ema import EMA
+from dmltrain.runtime.preemption import PreemptionWatcher
 from tiny import EveryEvent, TinyOptions, TinyTrainer
 
 
@@ -29,7 +29,7 @@ class Listening(TinyTrainer):
 def set_up(tmp_path, **config):
     trainer = Listening(TrainConfig(run_dir=str(tmp_path / "run"), epochs=1, **config),
                         TinyOptions())  # fmt: skip
-    trainer._watcher = SimpleNamespace(deadline=None)  # fit's signal watcher: no signals here
+    trainer._watcher = PreemptionWatcher([])  # fit's signal watcher, of no signal here
     trainer.setup()
     return trainer
 
