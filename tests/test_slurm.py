@@ -254,15 +254,17 @@ def test_time_limit_stops_the_job_in_time_and_it_resumes(slurm, tiny_reference, 
 
 
 def test_a_short_jobs_early_notice_does_not_preempt_it(slurm, tiny_reference, tmp_path):
-    """A 2-minute job of run.sh, whose #SBATCH --signal=USR1@300 comes at once: the job
-    takes it for its own deadline (a quarter of its length before the limit) and trains
-    through, 40 s, in this one job instead of requeueing itself."""
+    """A 2-minute job of run.sh, whose #SBATCH --signal=USR1@300 Slurm sends early (here
+    often during start-up, when it used to kill the job): the job takes it for its own
+    deadline (a quarter of its length before the limit) and trains through, 40 s, in this
+    one job instead of requeueing itself. When the notice comes is Slurm's (in one CI run
+    not before the run ended), so the line saying it was deferred is not required."""
     job = sbatch(tmp_path, *TINY, "--step-sleep", "1.0", options=("--time", "2"))
     release_requeues_until_done(job, tmp_path)
     log = (tmp_path / "job.out").read_text()
     assert "it checkpoints and stops 30 s before its time limit instead" in log, log[-3000:]
-    assert "dmltrain: SIGUSR1 now is the batch script's time-limit notice" in log, log[-3000:]
-    assert "preempted" not in log and int(job_field(job, "Restarts")) == 0, log[-3000:]
+    assert "preempted" not in log and "User defined signal" not in log, log[-3000:]
+    assert int(job_field(job, "Restarts")) == 0, log[-3000:]
     assert_same_run(tiny_reference, tmp_path / "runs" / f"tiny-{job}")
 
 
