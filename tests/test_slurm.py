@@ -257,8 +257,8 @@ def test_a_short_jobs_early_notice_does_not_preempt_it(slurm, tiny_reference, tm
     """A 2-minute job of run.sh, whose #SBATCH --signal=USR1@300 Slurm sends early (here
     often during start-up, when it used to kill the job): the job takes it for its own
     deadline (a quarter of its length before the limit) and trains through, 40 s, in this
-    one job instead of requeueing itself. When the notice comes is Slurm's (in one CI run
-    not before the run ended), so the line saying it was deferred is not required."""
+    one job instead of requeueing itself. When the notice comes is Slurm's (it may come
+    only after the run has ended), so the line saying it was deferred is not required."""
     job = sbatch(tmp_path, *TINY, "--step-sleep", "1.0", options=("--time", "2"))
     release_requeues_until_done(job, tmp_path)
     log = (tmp_path / "job.out").read_text()

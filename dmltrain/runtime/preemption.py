@@ -80,7 +80,7 @@ class PreemptionWatcher:
         self._received: list[int] = []  # signal numbers not yet taken by ``take_received``
         self._previous: dict[int, object] = {}
         self._defer: str | None = None  # a signal that waits for the deadline (Deadline)
-        self._noticed, self._noticed_name = False, ""  # it came: said at the next boundary
+        self._noticed: str | None = None  # the deferred signal came: said at the next boundary
         self._say: Callable[[str], None] = lambda line: None
         early: list[str] = []  # what came during start-up (StartupSignals)
         for name in StartupSignals.NAMES:
@@ -105,7 +105,7 @@ class PreemptionWatcher:
         # only flags: the loop (or the --nprocs parent, which forwards) does the work
         name = signal.Signals(signum).name
         if name == self._defer:  # the first: a short job's early notice (Deadline)
-            self._defer, self._noticed, self._noticed_name = None, True, name
+            self._defer, self._noticed = None, name
         else:
             self.requested = self.requested or name
         self._received.append(signum)
@@ -121,14 +121,13 @@ class PreemptionWatcher:
         self._defer = None if stop is None else stop.defer
         self._say = say
         if self._defer is not None and self.requested == self._defer:  # came during setup
-            self._defer, self._noticed, self._noticed_name = None, True, self.requested
-            self.requested = None
+            self._defer, self._noticed, self.requested = None, self.requested, None
 
     def local_request(self) -> bool:
-        if self._noticed:
-            self._noticed = False
+        if self._noticed is not None:
+            noticed, self._noticed = self._noticed, None
             self._say(
-                f"dmltrain: {self._noticed_name} now is the batch script's time-limit notice, "
+                f"dmltrain: {noticed} now is the batch script's time-limit notice, "
                 "sized for longer jobs: this job checkpoints and stops at its own deadline"
             )
         if self.requested is None and self.deadline is not None and time.time() >= self.deadline:
