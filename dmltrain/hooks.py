@@ -68,6 +68,14 @@ class TrainerHooks(abc.ABC):
         loss, metrics = split_step_output(self.train_step(batch))
         return {"loss": loss, **metrics}
 
+    def create_metrics(self) -> Mapping[str, Any]:
+        """Metrics over the whole validation (and test) set that a mean of batches cannot
+        give: torchmetrics ``Metric`` objects by name, e.g. ``{"rmse":
+        MeanSquaredError(squared=False)}``. ``val_step`` returns the arguments of each one's
+        ``update`` under its name (``{"loss": loss, "rmse": (prediction, target)}``); its
+        value over every rank's samples is logged as ``val_<name>``. None by default."""
+        return {}
+
     def create_test_dataset(self) -> Dataset | None:
         """A test dataset for ``--evaluate`` (``test_*`` metrics) and ``--predict``; None."""
         return None

@@ -24,7 +24,7 @@ from dmltrain.engine.precision import check_available
 from dmltrain.engine.state import TrainState
 from dmltrain.engine.step import ManualStep
 from dmltrain.errors import PeerLost, StopForRequeue, UserError
-from dmltrain.features import profiling
+from dmltrain.features import images, profiling
 from dmltrain.features.builtin import Features
 from dmltrain.features.tracking import Tracker
 from dmltrain.hooks import TrainerHooks
@@ -140,6 +140,17 @@ class BaseTrainer(TrainerSetup):
         if self.dist.is_main and self._tracker.active:
             at = self.global_step if step is None else step
             self._tracker.log({k: float(v) for k, v in values.items()}, at)
+
+    def log_image(self, name: str, image: Any, step: int | None = None) -> None:
+        """An image or a matplotlib Figure to the trackers (``features.images`` says what an
+        image may be), at ``step`` as ``log_metrics``; e.g. a map of the predicted field in
+        ``on_epoch_end`` or a callback's ``on_validation_end``. Rank 0 logs it; elsewhere,
+        and with no tracker on, it does nothing (make it on rank 0 alone to save the work)."""
+        if not self.dist.is_main:
+            return
+        image = images.checked(name, image)  # a bad image fails whether tracked or not
+        if self._tracker.active:
+            self._tracker.log_images({name: image}, self.global_step if step is None else step)
 
     def _record_outcome(self, exc: BaseException | None) -> None:
         """Rank 0: how this job of the run ended, in RUN_DIR/outcome.json (read by

@@ -5,6 +5,10 @@ Equivalence (README, "Batch size and equivalence"): with the same seed and globa
 every 2-process run writes the same training log and final weights, bitwise for the
 Gloo-based launchers and within 1e-6 relative for Horovod; a 1-process run with twice the
 per-process batch matches within 1e-5 relative.
+
+Every run also validates a torchmetrics RMSE (``--exact-rmse``) over 33 samples, so two
+ranks hold uneven shards (17 and 16; FSDP pads one to 17): each launcher's reduction of the
+metric's states (torch.distributed's gather, Horovod's allgather) gives the same val_rmse.
 """
 
 import socket
@@ -27,8 +31,9 @@ from helpers import (
 
 from dmltrain.records.training_log import read_training_log
 from dmltrain.runtime.launch import free_port
+from tiny import TinyOptions, TinyTrainer, tiny_data
 
-ARGS = [*TINY, "--progress", "log", "--log-every", "4"]
+ARGS = [*TINY, "--progress", "log", "--log-every", "4", "--exact-rmse", "--val-samples", "33"]
 DMLTRAIN = [sys.executable, "-m", "dmltrain"]
 
 
@@ -70,6 +75,23 @@ def test_spawn_writes_once_from_rank_0(reference):
     assert "nprocs: 2" in (run / "config.yaml").read_text()
     # workers leave with os._exit (launch.leave), after the experiment's atexit handlers
     assert sorted(p.name for p in run.parent.glob("run-exit.*")) == ["run-exit.0", "run-exit.1"]
+
+
+def test_validation_rmse_is_exact_over_uneven_shards(reference):
+    """val_rmse is the root of the mean squared error over all 33 samples, every sample
+    counted once, not a mean of the batches' or the ranks' RMSEs (which differ from it)."""
+    run, _ = reference
+    model = TinyTrainer(options=TinyOptions(val_samples=33)).create_model()
+    model.load_state_dict(torch.load(run / "final_weights.pt", weights_only=True))
+    x, y = tiny_data(TinyOptions(val_samples=33))
+    x, y = x[96:], y[96:]
+    with torch.no_grad():
+        squared = (model(x) - y) ** 2
+    last = read_training_log(run / "training_log.csv")[-1]
+    assert last["val_rmse"] == pytest.approx(squared.mean().sqrt().item(), rel=1e-6)
+    shards = [squared[r::2] for r in range(2)]  # rank r validates samples r, r+2, ...
+    of_batches = [b.mean().sqrt().item() for shard in shards for b in shard.split(8)]
+    assert abs(sum(of_batches) / len(of_batches) - last["val_rmse"]) > 1e-4
 
 
 def test_one_process_with_the_same_global_batch_matches(reference, tmp_path):

@@ -4,6 +4,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from helpers import ROOT, cli_env
 
 from dmltrain import TrainConfig
@@ -101,6 +102,27 @@ def test_the_callback_example_logs_and_checkpoints_its_state(tmp_path):
     assert [step for step, _ in scalars["grad_norm/weight"]] == [10, 20]
     state = load_file(run / "checkpoints" / "latest.pt")
     assert state["states"] == {"GradNorms": {"logged": 2}}
+
+
+def test_the_metrics_example_logs_the_whole_sets_rmse_and_a_figure(tmp_path):
+    """On 2 processes, 64 validation samples in batches of 16 a rank: val_rmse is the root
+    of val_loss (both over every sample), and TensorBoard holds the figure of each epoch."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    (tmp_path / "my_experiment.py").write_text(_example_source())
+    (tmp_path / "my_metrics.py").write_text(_block("### Metrics over the whole validation set"))
+    run = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "my_metrics.py", "measured-line", "--epochs", "2", "--batch-size",
+         "16", "--nprocs", "2", "--tracker", "tensorboard", "--run-dir", str(run)],
+        cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    for row in read_training_log(run / "training_log.csv"):
+        assert row["val_rmse"] == pytest.approx(row["val_loss"] ** 0.5, rel=1e-6)
+    events = EventAccumulator(str(run / "tensorboard"), size_guidance={"images": 0})
+    events.Reload()
+    assert [image.step for image in events.Images("val/fit")] == [14, 28]
 
 
 def test_the_manual_step_shown_is_the_bundled_gans():

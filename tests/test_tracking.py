@@ -209,3 +209,43 @@ def test_a_failing_installed_tracker_is_one_line_and_training_goes_on(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     said = "the tracker failing failed to log (the tracking server went away): it is off"
     assert (done.stdout + done.stderr).count(said) == 1
+
+
+def test_images_logged_at_validation_reach_tensorboard_and_wandb(tmp_path):
+    """``trainer.log_image`` from a callback's on_validation_end (tests/tiny.py's
+    WeightImages): an 8 x 4 tensor and a 2 x 2 inch matplotlib figure at each validation,
+    read back from TensorBoard's event file and from the offline wandb run and its media."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    run = tmp_path / "run"
+    done = train(tmp_path, run, "--val-images", "--tracker", "wandb,tensorboard",
+                 WANDB_MODE="offline")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    events = EventAccumulator(str(run / "tensorboard"), size_guidance={"images": 0})
+    events.Reload()
+    shown = {
+        tag: [(image.step, image.width, image.height) for image in events.Images(tag)]
+        for tag in events.Tags()["images"]
+    }
+    assert shown == {
+        "val/weights": [(12, 4, 8), (24, 4, 8)],
+        "val/weights_figure": [(12, 200, 200), (24, 200, 200)],
+    }
+    (path,) = runs_in(run)
+    history = read_run(path).history  # an image's fields are keys of their own
+    logged = [
+        (row["global_step"], name, row[f"{name}/width"], row[f"{name}/height"])
+        for row in history
+        for name in ("val/weights", "val/weights_figure")
+        if row.get(f"{name}/_type") == "image-file"
+    ]
+    assert logged == [
+        (12, "val/weights", 4, 8),
+        (12, "val/weights_figure", 200, 200),
+        (24, "val/weights", 4, 8),
+        (24, "val/weights_figure", 200, 200),
+    ]
+    for row in history:
+        for key in (k for k in row if k.endswith("/path")):
+            media = path.parent / "files" / row[key]
+            assert media.read_bytes()[:4] == b"\x89PNG", media

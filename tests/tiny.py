@@ -108,6 +108,15 @@ class TinyOptions:
     rank_weights: bool = field(
         default=False, metadata={"help": "every rank saves its weights: final_weights.RANK.pt"}
     )
+    exact_rmse: bool = field(
+        default=False,
+        metadata={"help": "val_rmse over the whole validation set (a torchmetrics object)"},
+    )
+    val_images: bool = field(
+        default=False,
+        metadata={"help": "a callback logs the first layer's weights as an image and as a "
+                  "figure at each validation"},
+    )  # fmt: skip
     record_samples: bool = field(
         default=False,
         metadata={"help": "each rank appends 'EPOCH STEP INDEX...' of its batches to "
@@ -279,6 +288,26 @@ class FailingTracker(Tracker):
         raise ConnectionError("the tracking server went away")
 
 
+class WeightImages(Callback):
+    """At each validation, rank 0 logs the first layer's weights as an image (squashed into
+    [0, 1]) and as a matplotlib figure."""
+
+    def on_validation_end(self, trainer, row):
+        if not trainer.dist.is_main:
+            return
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from matplotlib import pyplot
+
+        weights = torch.sigmoid(trainer.unwrapped_model[0].weight.detach())  # 8 x features
+        trainer.log_image("val/weights", weights)
+        figure, axes = pyplot.subplots(figsize=(2, 2))
+        axes.imshow(weights.numpy())
+        trainer.log_image("val/weights_figure", figure)
+        pyplot.close(figure)
+
+
 class TinyTrainer(BaseTrainer):
     name = "tiny"
 
@@ -312,6 +341,8 @@ class TinyTrainer(BaseTrainer):
 
     def create_callbacks(self):
         made = [EveryEvent()] if self.opts.listen_all else []
+        if self.opts.val_images:
+            made.append(WeightImages())
         if self.opts.grad_norms_every:
             made.append(GradNorms(self.opts.grad_norms_every))
         return made
@@ -421,7 +452,18 @@ class TinyTrainer(BaseTrainer):
             loss = loss * float("nan")
         return loss
 
+    def create_metrics(self):
+        if not self.opts.exact_rmse:
+            return {}
+        from torchmetrics import MeanSquaredError
+
+        return {"rmse": MeanSquaredError(squared=False)}
+
     def val_step(self, batch):
+        if self.opts.exact_rmse:
+            x, y = batch
+            prediction = self.model(x)
+            return {"loss": F.mse_loss(prediction, y), "rmse": (prediction, y)}
         if not self.manual_optimization:
             return super().val_step(batch)
         x, y, *_ = batch

@@ -18,7 +18,7 @@ from dmltrain.callback import Events
 from dmltrain.checkpoint.checkpointer import Checkpointer, Saved
 from dmltrain.config import as_plain, to_yaml
 from dmltrain.data import rng, samples
-from dmltrain.engine import contract, evaluation
+from dmltrain.engine import contract, evaluation, metric_objects
 from dmltrain.engine.budget import Budget, total_steps
 from dmltrain.engine.loop import TrainingLoop
 from dmltrain.engine.nan import NanChecker
@@ -86,7 +86,6 @@ class TrainerSetup(TrainingLoop):
         self._precision = Precision(cfg.numerics.precision, self.device)
         profiler = self._profiler_feature()  # before the model: its memory is recorded
         self._features = Features([profiler] if profiler is not None else [])
-        self._evaluator = evaluation.Evaluator(self.strategy, self._precision, self.device)
         torch.manual_seed(loop.seed)  # the same initial weights on every rank
         model = self.create_model()
         contract.model(model)
@@ -105,6 +104,13 @@ class TrainerSetup(TrainingLoop):
         if loop.compile:
             self.model = torch.compile(self.model)  # type: ignore[assignment]
         self._setup_data()
+        metrics = self.create_metrics()  # torchmetrics objects (metric_objects)
+        self._evaluator = evaluation.Evaluator(
+            self.strategy,
+            self._precision,
+            self.device,
+            objects=metric_objects.prepare(metrics, self.device, self.strategy.metric_gather()),
+        )
         self.total_steps = total_steps(loop, math.ceil(len(self.train_loader) / loop.grad_accum))
         made = contract.several(self.create_optimizer(self.model), "create_optimizer")
         self.optimizers = tuple(

@@ -14,7 +14,7 @@ dataset's order (``merge``).
 
 import json
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from dmltrain.data import samples
-from dmltrain.engine import contract
+from dmltrain.engine import contract, metric_objects
 from dmltrain.engine.batches import batch_size_of, to_device
 from dmltrain.engine.metrics import MetricAccumulator
 from dmltrain.engine.precision import Precision
@@ -47,6 +47,8 @@ class Evaluator:
     # --evaluate/--predict: whether the ranks agree to stop (a preemption signal; a
     # collective), asked every CHECK_EVERY batches
     stop: Callable[[], bool] | None = None
+    # create_metrics()'s torchmetrics objects, by name (metric_objects)
+    objects: Mapping[str, Any] = field(default_factory=dict)
 
     def batches(self, loader: DataLoader, step: Callable[[Any], Any]) -> Iterator[tuple[Any, int]]:
         """``(step's output, how many samples it counts)`` per batch (``real_batches``)."""
@@ -62,16 +64,24 @@ class Evaluator:
     def metrics(
         self, loader: DataLoader, step: Callable[[Any], Any]
     ) -> tuple[dict[str, float], int]:
-        """The sample-weighted means of ``step``'s metrics over every rank's shard, and the
-        number of samples they count (one collective each)."""
+        """The sample-weighted means of ``step``'s metrics over every rank's shard, with the
+        metric objects' values over all of it (``metric_objects``), and the number of
+        samples they count."""
         metrics = MetricAccumulator(self.device)
         method = getattr(step, "__name__", "val_step")
+        metric_objects.reset(self.objects)
         for values, n in self.batches(loader, step):
             if n:
-                metrics.update(contract.step_metrics(values, method), n)
+                values = metric_objects.feed(
+                    self.objects, contract.step_metrics(values, method), method
+                )
+                metrics.update(values, n)
         count = torch.tensor([float(metrics.count)], device=self.device)
         total = int(self.strategy.all_reduce_sum(count).item())
-        return metrics.compute(self.strategy.all_reduce_sum), total
+        results = metrics.compute(self.strategy.all_reduce_sum)
+        if total:
+            results.update(metric_objects.compute(self.objects))
+        return results, total
 
     def evaluate(
         self, sets: Mapping[str, tuple[DataLoader | None, Callable[[Any], Any]]]

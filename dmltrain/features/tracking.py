@@ -49,6 +49,10 @@ class Tracker:
     def log(self, metrics: dict[str, Any], global_step: int) -> None:
         """Metrics at ``global_step`` (training steps, validation, epoch rows)."""
 
+    def log_images(self, images: dict[str, Any], global_step: int) -> None:
+        """Images at ``global_step``, by name: HWC uint8 numpy arrays or matplotlib Figures
+        (``dmltrain.features.images``); a tracker without images ignores them."""
+
     def summary(self, values: dict[str, Any]) -> None:
         """Values that describe the whole run (best metric and its epoch)."""
 
@@ -95,6 +99,15 @@ class WandbTracker(_Guarded):
     def log(self, metrics: dict[str, Any], global_step: int) -> None:
         self._safely("log", lambda: self.run.log({**metrics, "global_step": global_step}))
 
+    def log_images(self, images: dict[str, Any], global_step: int) -> None:
+        import wandb
+
+        def log() -> None:
+            made = {name: wandb.Image(image) for name, image in images.items()}
+            self.run.log({**made, "global_step": global_step})
+
+        self._safely("log an image", log)
+
     def summary(self, values: dict[str, Any]) -> None:
         self._safely("update the summary", lambda: self.run.summary.update(values))
 
@@ -124,6 +137,18 @@ class TensorBoardTracker(_Guarded):
 
         self._safely("log", write)
 
+    def log_images(self, images: dict[str, Any], global_step: int) -> None:
+        from dmltrain.features.images import is_figure
+
+        def write() -> None:
+            for name, image in images.items():
+                if is_figure(image):
+                    self.writer.add_figure(name, image, global_step, close=False)
+                else:
+                    self.writer.add_image(name, image, global_step, dataformats="HWC")
+
+        self._safely("log an image", write)
+
     def summary(self, values: dict[str, Any]) -> None:
         self.log({f"summary/{k}": v for k, v in values.items()}, self.step)
 
@@ -148,6 +173,10 @@ class Trackers(Tracker):
         for tracker in self.trackers.values():
             tracker.log(metrics, global_step)
 
+    def log_images(self, images: dict[str, Any], global_step: int) -> None:
+        for tracker in self.trackers.values():
+            tracker.log_images(images, global_step)
+
     def summary(self, values: dict[str, Any]) -> None:
         for tracker in self.trackers.values():
             tracker.summary(values)
@@ -166,6 +195,9 @@ class _Installed(_Guarded):
 
     def log(self, metrics: dict[str, Any], global_step: int) -> None:
         self._safely("log", lambda: self.inner.log(metrics, global_step))
+
+    def log_images(self, images: dict[str, Any], global_step: int) -> None:
+        self._safely("log an image", lambda: self.inner.log_images(images, global_step))
 
     def summary(self, values: dict[str, Any]) -> None:
         self._safely("update the summary", lambda: self.inner.summary(values))

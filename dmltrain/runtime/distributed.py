@@ -130,6 +130,11 @@ class Strategy:
         no GPU sync."""
         return values
 
+    def metric_gather(self) -> Callable[..., list[Tensor]] | None:
+        """How a torchmetrics state is gathered from every rank (``gather(tensor, group)``
+        -> one tensor a rank); None: torchmetrics' own, over torch.distributed."""
+        return None
+
     def broadcast_object(self, obj: Any) -> Any:
         return obj
 
@@ -420,6 +425,16 @@ class HorovodStrategy(Strategy):
     def max_over_ranks(self, values: list[int]) -> list[int]:
         tensor = torch.tensor(values, dtype=torch.int32)
         return [int(v) for v in self.hvd.allreduce(tensor, op=self.hvd.Max).tolist()]
+
+    def metric_gather(self) -> Callable[..., list[Tensor]] | None:
+        def gather(tensor: Tensor, group: Any = None) -> list[Tensor]:
+            # allgather joins along dim 0, whose size may differ between ranks
+            rows = tensor.contiguous() if tensor.dim() else tensor.reshape(1)
+            sizes = self.hvd.allgather(torch.tensor([len(rows)])).tolist()
+            parts = self.hvd.allgather(rows).split(sizes)
+            return list(parts) if tensor.dim() else [part.reshape(()) for part in parts]
+
+        return gather
 
     # Horovod matches collectives across ranks by name, and names an object collective
     # after the object's type by default: rank 0 broadcasting a float while the others pass
