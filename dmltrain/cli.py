@@ -28,7 +28,13 @@ from typing import Any, NoReturn
 import argparse_dataclass
 
 from dmltrain.config import SECTIONS, TrainConfig, field_names, load_config_file, to_yaml
-from dmltrain.errors import EXIT_PEER_LOST, UserError, forget_interrupt, run_reporting_errors
+from dmltrain.errors import (
+    EXIT_PEER_LOST,
+    EXIT_REQUEUE,
+    UserError,
+    forget_interrupt,
+    run_reporting_errors,
+)
 from dmltrain.records.files import NotWritten, write_atomic
 from dmltrain.runtime import processes
 from dmltrain.trainer import BaseTrainer
@@ -353,11 +359,11 @@ def _check_status_file(path: str | None) -> None:
         raise UserError(f"--status-file {path}: the folder {folder} is not writable")
 
 
-def _write_status(path: Path, status: int, trainer: BaseTrainer) -> None:
+def _write_status(path: Path, status: int, trainer: BaseTrainer) -> bool:
     """Rank 0's exit status, and how many checkpoints this job saved (the batch scripts
     requeue a job that loses nodes only while it makes progress). Another rank writes a
     lost peer's status only where rank 0 has not (rank 0 may be the one lost): rank 0's
-    status, written as it leaves, is the job's."""
+    status, written as it leaves, is the job's. Whether the file holds it now."""
     saved = getattr(getattr(trainer, "checkpointer", None), "written", 0)
     text = f"{status}\n{saved}\n"
     try:
@@ -373,6 +379,8 @@ def _write_status(path: Path, status: int, trainer: BaseTrainer) -> None:
         print(
             f"dmltrain: error: --status-file: {why}; the exit status is {status}", file=sys.stderr
         )
+        return False
+    return True
 
 
 def _print_config_asked(argv: Sequence[str]) -> bool:
@@ -417,9 +425,15 @@ def main(argv: Sequence[str] | None = None, experiments: Sequence[Experiment] = 
         return 2
     trainer.name = experiment.name
     status = run_reporting_errors(trainer.fit, trainer.dist.rank, trainer.dist.world_size)
+    held = True  # whether the status file holds the job's status (rank 0 writes it)
     if config.status_file and (trainer.dist.rank == 0 or status == EXIT_PEER_LOST):
-        _write_status(Path(config.status_file), status, trainer)
+        held = _write_status(Path(config.status_file), status, trainer)
     if processes.started_by_launcher(trainer.dist):
+        if status == EXIT_REQUEUE and config.status_file and held:
+            # The batch script reads the job's status from the file; the launcher would
+            # report a stop planned to go on as a task's failure ("srun: error: ...
+            # Exited with exit code 3", torchrun's ChildFailedError, mpirun's abort).
+            status = 0
         processes.leave(status)  # the same exit as --nprocs workers, for the same reason
     return status
 

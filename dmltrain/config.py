@@ -261,7 +261,9 @@ class DistConfig:
         default=None,
         metadata={
             "help": "rank 0 writes its exit status to this file, and any rank a lost peer's "
-            "(torchrun reports every worker failure as 1; the batch scripts read it here)"
+            "(torchrun reports every worker failure as 1; the batch scripts read it here); "
+            "ranks of a launcher then exit 0 for status 3, which srun and torchrun would "
+            "report as a failure"
         },
     )
 

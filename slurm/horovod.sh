@@ -98,7 +98,9 @@ if [ "$status" -eq 3 ] && [ "${DMLTRAIN_REQUEUE:-1}" = 0 ]; then
     exit 0
 fi
 if [ "$status" -eq 3 ]; then
-    echo "dmltrain: $why, requeueing job $job"
+    # Slurm ends the running script to requeue it, and its step daemon logs that as
+    # "error: *** JOB N ... CANCELLED ... DUE TO JOB REQUEUE ***": say that it is this.
+    echo "dmltrain: $why, requeueing job $job (Slurm may log this as CANCELLED DUE TO JOB REQUEUE)"
     if ! scontrol requeue "$job"; then
         # Under sbatch, $0 is slurmd's copy of the script: name the file that was submitted
         # (Slurm's Command= is that file, then its arguments).

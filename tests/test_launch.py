@@ -109,6 +109,11 @@ def test_torchrun_inside_srun_is_torchrun():
         "10.0.0.5",
     )
     assert info.master_port == 29400
+    assert info.agent_store_attempt is None  # rank 0 makes the store
+    held = launch.detect(
+        env={**env, "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "2"}
+    )  # torchrun's agent holds it: every rank joins, under the attempt's prefix
+    assert held.agent_store_attempt == 2
 
 
 def test_multi_node_torchrun_node_rank():

@@ -25,6 +25,30 @@ def test_log_mode_reports_at_interval_and_last_step():
     assert lines[-1] == "epoch 1/1 train_loss 0.5"
 
 
+def test_a_long_epoch_line_is_one_line_a_group_of_columns():
+    """An epoch's row with EMA and many validation metrics: the training columns on the
+    epoch's line, validation and its average's each on indented lines, none over 100
+    characters; a short row stays one line."""
+    out = io.StringIO()
+    progress = Progress("log", enabled=True, log_every=1, stream=out)
+    progress._epochs = 3
+    many = {f"val_score{i}": 0.123456 for i in range(12)}
+    row = {"epoch": 2, "step": 40, "train_loss": 1.374, **many, "val_ema_loss": 2.044,
+           "val_ema_acc": 0.712, "lr": 0.001, "world_size": 2, "epoch_time_s": 1.853}  # fmt: skip
+    progress.epoch_summary(row, partial=True)
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "epoch 2/3 (step 40) train_loss 1.374 lr 0.001 epoch_time_s 1.853"
+    assert lines[1].startswith("  val_score0 0.1235 val_score1 0.1235")
+    assert lines[-1] == "  val_ema_loss 2.044 val_ema_acc 0.712"
+    assert all(len(line) <= 100 for line in lines) and len(lines) == 5, lines
+    shown = " ".join(line.strip() for line in lines[1:-1]).split()
+    assert shown == [part for i in range(12) for part in (f"val_score{i}", "0.1235")]
+    short = io.StringIO()
+    progress.stream = short
+    progress.epoch_summary({"epoch": 1, "train_loss": 0.5, "val_loss": 0.25, "lr": 0.001})
+    assert short.getvalue() == "epoch 1/3 train_loss 0.5 val_loss 0.25 lr 0.001\n"
+
+
 def test_non_main_rank_prints_and_syncs_nothing():
     out = io.StringIO()
     reads = _run(Progress("log", enabled=False, log_every=1, stream=out))

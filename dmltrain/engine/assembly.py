@@ -277,6 +277,7 @@ class TrainerSetup(TrainingLoop):
             peak_flops(self.device, cfg.numerics.precision),
             hint,
             dist.world_size * cfg.loop.batch_size * cfg.loop.grad_accum,
+            self._progress.info,
         )
 
     def _watchdog_feature(self) -> WatchdogFeature | None:

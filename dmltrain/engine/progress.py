@@ -37,6 +37,34 @@ def for_workers(mode: str) -> str:
 
 
 NOT_SHOWN = ("epoch", "step", "world_size")  # in training_log.csv, not in the epoch's line
+WIDTH = 100  # an epoch's line longer than this is one line a group of columns
+GROUPS = ("val_ema_", "val_", "test_")  # each its own line then; the rest with the epoch
+
+
+def _group(column: str) -> str:
+    return next((prefix for prefix in GROUPS if column.startswith(prefix)), "")
+
+
+def epoch_lines(head: str, columns: list[tuple[str, str]]) -> list[str]:
+    """``head`` and the ``(name, "name value")`` columns as one line, or where that is
+    longer than ``WIDTH``, as the training columns on the head's line and each group's
+    (``GROUPS``) on an indented line of its own, wrapped between columns."""
+    one = " ".join([head, *(text for _, text in columns)])
+    if len(one) <= WIDTH:
+        return [one]
+    groups: dict[str, list[str]] = {"": []}
+    for name, text in columns:
+        groups.setdefault(_group(name), []).append(text)
+    lines = []
+    for prefix, texts in groups.items():
+        line = head if not prefix else " "
+        for text in texts:
+            if len(line) + 1 + len(text) > WIDTH and line.strip() and line != head:
+                lines.append(line)
+                line = " "
+            line += " " + text
+        lines.append(line)
+    return lines
 
 
 class Progress:
@@ -118,6 +146,6 @@ class Progress:
 
     def epoch_summary(self, row: dict[str, Any], partial: bool = False) -> None:
         """A training-log row as a line; one from inside the epoch names its global step."""
-        shown = " ".join(f"{k} {_fmt(v)}" for k, v in row.items() if k not in NOT_SHOWN)
+        columns = [(k, f"{k} {_fmt(v)}") for k, v in row.items() if k not in NOT_SHOWN]
         inside = f" (step {row['step']})" if partial else ""
-        self.info(f"epoch {row['epoch']}/{self._epochs}{inside} {shown}")
+        self.info("\n".join(epoch_lines(f"epoch {row['epoch']}/{self._epochs}{inside}", columns)))

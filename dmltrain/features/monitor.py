@@ -171,6 +171,9 @@ class Monitor:
     peak: float | None = None  # of one device
     workers_hint: str = ""  # what --num-workers could be
     global_batch: int = 0  # samples an optimizer step, all ranks
+    # rank 0's plain line: a straggler among ranks that share one host is said here, not
+    # warned of (other processes on its cores are the usual cause, and it passes)
+    say: Callable[[str], None] | None = None
     _stalled: int = 0
     _slow: dict[int, int] = field(default_factory=dict)  # rank -> intervals in a row
     _warned: set[Any] = field(default_factory=set)
@@ -233,13 +236,23 @@ class Monitor:
                 mid_wait = statistics.median(per_rank[r][1] for r in others)
                 mid_compute = statistics.median(per_rank[r][2] for r in others)
                 cause = "data" if wait - mid_wait > compute - mid_compute else "compute"
+                numbers = (
+                    f"({cause}: {wait / steps * 1e3:.1f} ms waiting for data and "
+                    f"{compute / steps * 1e3:.1f} ms in train_step a step, against "
+                    f"{mid_wait / steps * 1e3:.1f} and {mid_compute / steps * 1e3:.1f} ms)"
+                )
+                if len(set(self.hosts)) == 1 and self.say is not None:
+                    self.say(
+                        f"dmltrain: straggler: rank {rank} is {value / median:.2f}x slower than "
+                        f"the others {numbers}; they share {self.hosts[rank]}, where other "
+                        "processes on its cores (another job on a shared node) are the usual "
+                        f"cause, and it passes when they end ({self.ranks_csv})"
+                    )
+                    continue
                 self.warn(
                     f"straggler: rank {rank} on {self.hosts[rank]} is {value / median:.2f}x "
-                    f"slower than the median of the other ranks ({cause}: "
-                    f"{wait / steps * 1e3:.1f} ms waiting for data and "
-                    f"{compute / steps * 1e3:.1f} ms in train_step a step, against "
-                    f"{mid_wait / steps * 1e3:.1f} and {mid_compute / steps * 1e3:.1f} ms); "
-                    f"every rank waits for it ({self.ranks_csv})"
+                    f"slower than the median of the other ranks {numbers}; every rank waits "
+                    f"for it ({self.ranks_csv})"
                 )
 
     def _write(self, step: int, steps: int, per_rank: list[tuple[float, float, float]]) -> None:

@@ -202,6 +202,7 @@ class DDPStrategy(Strategy):
             info.master_port,
             self.config.dist_timeout,
             interface,
+            info.agent_store_attempt,
         )
         dist.init_process_group(
             backend,

@@ -47,6 +47,9 @@ class DistInfo:
     device: str = "cpu"
     job_id: str | None = None
     spawned: bool = False  # a worker that a --nprocs parent started
+    # torchrun's agent holds the rendezvous store at master_port (it said so): rank 0 joins
+    # it instead of making one, under this attempt's prefix (its restart count)
+    agent_store_attempt: int | None = None
 
     @property
     def starts_workers(self) -> bool:
@@ -291,7 +294,7 @@ def from_torchrun(env: Env) -> DistInfo | None:
     rank, world = _int(env, "RANK") or 0, _int(env, "WORLD_SIZE") or 1
     local_world = _int(env, "LOCAL_WORLD_SIZE") or world
     node = _int(env, "GROUP_RANK", "NODE_RANK")
-    return _info(
+    info = _info(
         env,
         "torchrun",
         rank,
@@ -301,6 +304,10 @@ def from_torchrun(env: Env) -> DistInfo | None:
         rank // local_world if node is None else node,
         env.get("MASTER_ADDR", "127.0.0.1"),
     )
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        attempt = _int(env, "TORCHELASTIC_RESTART_COUNT") or 0
+        info = replace(info, agent_store_attempt=attempt)
+    return info
 
 
 def from_horovod(env: Env) -> DistInfo | None:

@@ -25,19 +25,32 @@ from dmltrain.runtime.launch import hostname
 
 
 def rendezvous(
-    rank: int, world_size: int, addr: str, port: int, seconds: float, interface_set: bool
-) -> dist.TCPStore:
-    """Meet the other ranks at the TCPStore on ``addr:port`` (rank 0 holds it), then make
-    the checks across hosts (``check``); the store, for the process group and the roll call
-    after a failed collective (``dmltrain.runtime.peers``). Failures are one line naming the
-    node."""
+    rank: int,
+    world_size: int,
+    addr: str,
+    port: int,
+    seconds: float,
+    interface_set: bool,
+    agent_attempt: int | None = None,
+) -> Any:
+    """Meet the other ranks at the TCPStore on ``addr:port`` (rank 0 holds it, or with
+    ``agent_attempt`` torchrun's agent does), then make the checks across hosts
+    (``check``); the store, for the process group and the roll call after a failed
+    collective (``dmltrain.runtime.peers``). Failures are one line naming the node."""
     here = hostname()
+    held = agent_attempt is not None  # rank 0 binding the agent's port fails, with a line
     try:
-        store = dist.TCPStore(
-            addr, port, world_size, is_master=rank == 0, timeout=datetime.timedelta(seconds=seconds)
+        store: Any = dist.TCPStore(
+            addr,
+            port,
+            world_size,
+            is_master=rank == 0 and not held,
+            timeout=datetime.timedelta(seconds=seconds),
         )
     except RuntimeError as exc:  # DistStoreError and the transport's timeouts
         raise _rendezvous_failed(exc, rank, f"{addr}:{port}", here, seconds) from None
+    if held:  # the agent's store outlives a restart of its workers: keys of this attempt
+        store = dist.PrefixStore(f"/dmltrain/attempt_{agent_attempt}", store)
     check(store, rank, world_size, here, interface_set)
     return store
 
