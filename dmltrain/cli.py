@@ -67,6 +67,22 @@ def _add_consolidate(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _mlflow_sync(args: argparse.Namespace) -> int:
+    from dmltrain.features.mlflow_tracker import sync
+
+    sync(Path(args.run_dir), args.to, print)
+    return 0
+
+
+def _add_mlflow_sync(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("run_dir", help="a run directory of --tracker mlflow (RUN_DIR/mlflow)")
+    parser.add_argument(
+        "--to",
+        help="the tracking store: a server's URL, sqlite:///FILE or a directory (default: "
+        "the one the run logged to)",
+    )
+
+
 def _plot(args: argparse.Namespace) -> int:
     from dmltrain.tools.plot import plot_run
 
@@ -121,6 +137,11 @@ TOOLS: dict[
         _consolidate,
     ),
     "plot": ("draw a run's loss and metric curves into a PNG", _add_plot, _plot),
+    "mlflow-sync": (
+        "send what a --tracker mlflow run logged offline to an MLflow tracking store",
+        _add_mlflow_sync,
+        _mlflow_sync,
+    ),
     "submit": (
         "write a Slurm or PBS batch script for an experiment and submit it",
         _add_submit,

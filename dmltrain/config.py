@@ -467,14 +467,14 @@ class PrecisionConfig:
 
 @dataclass(frozen=True)
 class TrackingConfig:
-    """Experiment tracking with Weights & Biases and TensorBoard (rank 0 only)."""
+    """Experiment tracking with Weights & Biases, TensorBoard, MLflow (rank 0 only)."""
 
     tracker: str = field(
         default="wandb",
         metadata={
             "help": "comma-separated trackers: wandb (as --wandb-mode says), tensorboard "
-            "(RUN_DIR/tensorboard), or one installed (entry-point group dmltrain.trackers); "
-            "'' for none"
+            "(RUN_DIR/tensorboard), mlflow (the store MLFLOW_TRACKING_URI names), or another "
+            "installed (entry-point group dmltrain.trackers); '' for none"
         },
     )
     tensorboard: bool = field(
@@ -491,10 +491,29 @@ class TrackingConfig:
     wandb_name: str | None = field(
         default=None, metadata={"help": "run name (default: the run directory's name)"}
     )
-    wandb_group: str | None = field(default=None, metadata={"help": "group runs together"})
+    group: str | None = field(
+        default=None,
+        metadata={
+            "help": "runs that belong together (a sweep's trials): wandb's group, MLflow's tag "
+            "'group'"
+        },
+    )
+    wandb_group: str | None = field(
+        default=None, metadata={"help": "wandb group (default: --group)"}
+    )
     wandb_tags: str = field(default="", metadata={"help": "comma-separated tags"})
     wandb_init_timeout: float = field(
         default=60.0, metadata={"help": "seconds to wait for wandb to start before giving up"}
+    )
+    mlflow_experiment: str | None = field(
+        default=None, metadata={"help": "MLflow experiment (default: the experiment's name)"}
+    )
+    mlflow_run_name: str | None = field(
+        default=None, metadata={"help": "MLflow run name (default: the run directory's name)"}
+    )
+    mlflow_log_checkpoint: bool = field(
+        default=False,
+        metadata={"help": "with --tracker mlflow: the best checkpoint as an artifact too"},
     )
 
     def __post_init__(self) -> None:

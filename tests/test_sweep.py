@@ -76,7 +76,7 @@ def test_the_directory_holds_each_trials_command_and_refuses_another_sweep(tmp_p
     trials = [{"lr": 0.1}, {"lr": 0.01}]
     sweep.create("tiny", ["--epochs", "2"], trials)
     run = (tmp_path / "s" / "trial-1").resolve()
-    assert sweep.args(1) == ["tiny", "--epochs", "2", "--wandb-group", "s", "--lr", "0.01",
+    assert sweep.args(1) == ["tiny", "--epochs", "2", "--group", "s", "--lr", "0.01",
                              "--run-dir", str(run)]  # fmt: skip
     assert (tmp_path / "s" / "trials.csv").read_text().splitlines() == [
         "trial,lr,status", "0,0.1,pending", "1,0.01,pending",

@@ -172,11 +172,11 @@ def test_tensorboard_alone_and_a_bad_tracker_name(tmp_path):
     done = train(tmp_path, run, "--tensorboard", "--tracker", "")
     assert done.returncode == 0, done.stderr[-2000:]
     assert not (run / "wandb").exists() and "val_loss" in tensorboard_scalars(run)
-    bad = train(tmp_path, tmp_path / "bad", "--tracker", "wandb,mlflow")
+    bad = train(tmp_path, tmp_path / "bad", "--tracker", "wandb,neptune")
     assert bad.returncode == 2
     assert bad.stderr.strip() == (
-        "dmltrain: error: --tracker: unknown mlflow; choose from wandb, tensorboard, failing, "
-        "jsonl (or install one under the entry-point group dmltrain.trackers)"
+        "dmltrain: error: --tracker: unknown neptune; choose from wandb, tensorboard, failing, "
+        "jsonl, mlflow (or install one under the entry-point group dmltrain.trackers)"
     )
 
 

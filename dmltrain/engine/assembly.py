@@ -340,6 +340,7 @@ class TrainerSetup(TrainingLoop):
                 self.name,
                 plain,
                 self._progress.info,
+                diagnostics.job_tags(info),
             )
             self._state.tracking_run_id = self._tracker.run_id
             self._state.tracker_run_ids = self._tracker.run_ids

@@ -27,7 +27,7 @@ checkpoint's step, so the curves continue without doubled steps.
 
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -219,6 +219,8 @@ class TrackerStart:
     experiment: str
     config: dict[str, Any]  # the resolved config, plain values (as config.yaml)
     say: Callable[[str], None]  # one line on rank 0's output (why a tracker is off)
+    # this job's: job id, world size, launcher, code commit (diagnostics.json has more)
+    tags: dict[str, str] = field(default_factory=dict)
 
 
 def _wandb(start: TrackerStart) -> Tracker:
@@ -251,6 +253,7 @@ def create_trackers(
     experiment: str,
     config: dict[str, Any],
     say: Callable[[str], None],
+    tags: dict[str, str] | None = None,
 ) -> Trackers:
     """Rank 0's trackers (``--tracker``), as one; ``run_ids``: each one's id of the run
     from an earlier job (kept in checkpoints)."""
@@ -263,7 +266,7 @@ def create_trackers(
     made: dict[str, Tracker] = {}
     for name in names:
         start = TrackerStart(
-            settings, run_dir, run_ids.get(name), global_step, experiment, config, say
+            settings, run_dir, run_ids.get(name), global_step, experiment, config, say, tags or {}
         )
         if name in BUILT_IN:
             made[name] = BUILT_IN[name](start)
@@ -322,7 +325,7 @@ def create_tracker(
         "project": settings.wandb_project or experiment,
         "entity": settings.wandb_entity,
         "name": settings.wandb_name or run_dir.name,
-        "group": settings.wandb_group,
+        "group": settings.wandb_group or settings.group,
         "tags": [t.strip() for t in settings.wandb_tags.split(",") if t.strip()] or None,
         "id": run_id or new_run_id(),
         "resume": "allow",

@@ -231,3 +231,15 @@ def summary(info: dict[str, Any], path: Path) -> str:
 
 def write(info: dict[str, Any], path: Path) -> None:
     write_atomic(path, json.dumps(info, indent=2, default=str) + "\n")
+
+
+def job_tags(info: dict[str, Any]) -> dict[str, str]:
+    """What a tracker tags this job with, from ``collect``'s record (text values)."""
+    code = info.get("code") or {}
+    tags = {
+        "job_id": info.get("job_id"),
+        "world_size": info.get("world_size"),
+        "launcher": info.get("launcher"),
+        "code_commit": code.get("commit"),
+    }
+    return {key: str(value) for key, value in tags.items() if value is not None}

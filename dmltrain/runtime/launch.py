@@ -469,3 +469,20 @@ def free_port() -> int:
 
 def hostname() -> str:
     return socket.gethostname()
+
+
+# MLflow's settings where the user has not made them. Its HTTP defaults (7 retries of up
+# to 120 s each, the wait doubling between them) would hold training for many minutes at
+# each call to a store that has gone; the tracker's journal keeps what a failed call held.
+# And no "View run at URL" lines on the job's output.
+MLFLOW_DEFAULTS = {
+    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+    "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+    "MLFLOW_HTTP_REQUEST_TIMEOUT": "10",
+    "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",
+}
+
+
+def mlflow_defaults(env: MutableMapping[str, str] = os.environ) -> None:
+    for key, value in MLFLOW_DEFAULTS.items():
+        env.setdefault(key, value)

@@ -172,8 +172,8 @@ class Sweep:
                 )
             return
         self.directory.mkdir(parents=True, exist_ok=True)
-        group = ["--wandb-group", self.directory.name]  # the sweep's trials: one wandb group
-        group = [] if given(fixed, "--wandb-group") else group
+        group = ["--group", self.directory.name]  # the sweep's trials: one group of runs
+        group = [] if given(fixed, "--group") or given(fixed, "--wandb-group") else group
         for i, options in enumerate(trials):
             run = self.trial_dir(i)
             run.mkdir(exist_ok=True)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from dmltrain.errors import EXIT_PEER_LOST, EXIT_REQUEUE, UserError
+from dmltrain.records.files import write_atomic
 from dmltrain.runtime.launch import child_env, cpu_set, physical_cores, split_gpus
 from dmltrain.tools import submit
 from dmltrain.tools.sweep import Sweep, best, check_trials, expand, given, load_space
@@ -229,7 +230,8 @@ def task_command(argv: list[str]) -> int:
     passed on to every trial. Exit status 3 when a trial stopped to go on (the batch
     script requeues the task; its done trials are not run again), else the first failure's."""
     directory, task, per_task = Path(argv[0]), int(argv[1]), int(argv[2])
-    extra = argv[3:]  # what the batch script adds (--no-requeue)
+    # what the batch script adds (--no-requeue); its --status-file is the task's to write
+    extra, status_file = _without_status_file(argv[3:])
     sweep = Sweep(directory)
     count = len(sweep.load()["trials"])
     trials = [
@@ -251,6 +253,8 @@ def task_command(argv: list[str]) -> int:
     children = []
     for trial, gpus in zip(trials, devices, strict=True):
         args = [*sweep.args(trial), *extra]
+        if status_file is not None:
+            args += ["--status-file", f"{status_file}.trial-{trial}"]
         if not gpus and not given(args, "--threads"):
             args += ["--threads", str(threads)]
         print(f"dmltrain sweep: task {task} starts trial {trial}", flush=True)
@@ -264,11 +268,41 @@ def task_command(argv: list[str]) -> int:
                 if child.poll() is None:
                     child.send_signal(number)
         time.sleep(0.2)
-    codes = [child.returncode for child in children]
+    ended = [
+        _trial_status(child.returncode, status_file, trial)
+        for child, trial in zip(children, trials, strict=True)
+    ]
+    codes = [code for code, _ in ended]
     print(f"dmltrain sweep: task {task}: trials {trials} ended with {codes}", flush=True)
+    status = next((code for code in codes if code), 0)
     if any(code in (EXIT_REQUEUE, EXIT_PEER_LOST) for code in codes):
-        return EXIT_REQUEUE
-    return next((code for code in codes if code), 0)
+        status = EXIT_REQUEUE
+    if status_file is None:
+        return status
+    write_atomic(status_file, f"{status}\n{sum(saved for _, saved in ended)}\n")
+    # the batch script reads it there; srun would report a 3 as a failed task
+    return 0 if status == EXIT_REQUEUE else status
+
+
+def _without_status_file(extra: list[str]) -> tuple[list[str], Path | None]:
+    if "--status-file" not in extra[:-1]:
+        return extra, None
+    at = extra.index("--status-file")
+    return [*extra[:at], *extra[at + 2 :]], Path(extra[at + 1])
+
+
+def _trial_status(code: int, status_file: Path | None, trial: int) -> tuple[int, int]:
+    """A trial's status (what its rank 0 wrote to its status file, else its exit status)
+    and how many checkpoints it saved."""
+    if status_file is None:
+        return code, 0
+    path = Path(f"{status_file}.trial-{trial}")
+    try:
+        written = path.read_text().split()
+        path.unlink()
+        return int(written[0]), int(written[1]) if len(written) > 1 else 0
+    except (OSError, ValueError, IndexError):
+        return code, 0
 
 
 class _StatusParser(argparse.ArgumentParser):
