@@ -188,14 +188,20 @@ def test_a_store_that_is_gone_loses_nothing_and_the_sync_sends_it_once(tmp_path)
         server.stop()
 
 
-def test_a_sweep_logs_its_trials_to_a_sqlite_file_without_a_server(tmp_path):
-    """Offline nodes: MLFLOW_TRACKING_URI names a SQLite file; a local sweep's two trials
-    are two runs of one experiment, tagged with the sweep's name."""
+@pytest.mark.parametrize("store", ["sqlite", "file"])
+def test_a_sweep_logs_its_trials_to_a_file_without_a_server(tmp_path, store, monkeypatch):
+    """Offline nodes: MLFLOW_TRACKING_URI names a SQLite file, or a file store (which
+    MLflow 3 opens only with MLFLOW_ALLOW_FILE_STORE=true); a local sweep's two trials are
+    two runs of one experiment, tagged with the sweep's name."""
     uri = f"sqlite:///{tmp_path / 'offline.db'}"
+    env = {"MLFLOW_TRACKING_URI": uri}
+    if store == "file":
+        uri = f"file://{tmp_path / 'mlruns'}"
+        env = {"MLFLOW_TRACKING_URI": uri, "MLFLOW_ALLOW_FILE_STORE": "true"}
+        monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # for the client below
     (tmp_path / "sweep.yaml").write_text("lr: [0.01, 0.001]\n")
     done = run_cli("sweep", "tiny", "--epochs", "1", "--tracker", "mlflow", "--space",
-                   "sweep.yaml", "--name", "s", "--local", cwd=tmp_path,
-                   MLFLOW_TRACKING_URI=uri)  # fmt: skip
+                   "sweep.yaml", "--name", "s", "--local", cwd=tmp_path, **env)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     client = MlflowClient(tracking_uri=uri)
     experiment = client.get_experiment_by_name("tiny")
