@@ -35,7 +35,7 @@ from dmltrain.errors import (
     forget_interrupt,
     run_reporting_errors,
 )
-from dmltrain.records.files import NotWritten, write_atomic
+from dmltrain.records.files import NotWritten, status_record, write_atomic
 from dmltrain.runtime import processes
 from dmltrain.trainer import BaseTrainer
 
@@ -386,7 +386,7 @@ def _write_status(path: Path, status: int, trainer: BaseTrainer) -> bool:
     lost peer's status only where rank 0 has not (rank 0 may be the one lost): rank 0's
     status, written as it leaves, is the job's. Whether the file holds it now."""
     saved = getattr(getattr(trainer, "checkpointer", None), "written", 0)
-    text = f"{status}\n{saved}\n"
+    text = status_record(status, saved)
     try:
         if trainer.dist.rank == 0:
             write_atomic(path, text)

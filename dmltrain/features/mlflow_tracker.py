@@ -164,12 +164,14 @@ class Remote:
 
     def missing(self, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """The records, less what the store has already: a metric point by key and step, a
-        param or tag by key (and value), an artifact by path and size; the last status."""
-        data = self.client.get_run(self.run_id).data
+        param or tag by key (and value), an artifact by path and size (each job records
+        the same files: the last record of each); the last status."""
+        there = self.client.get_run(self.run_id)
         have_steps: dict[str, set[int]] = {}
         left: list[dict[str, Any]] = []
         params: dict[str, str] = {}
         tags: dict[str, str] = {}
+        artifacts: dict[tuple[str, str], dict[str, Any]] = {}
         for record in records:
             kind = record["kind"]
             if kind == "params":
@@ -187,26 +189,31 @@ class Remote:
                         have_steps[key].add(record["step"])
                 if values:
                     left.append({**record, "values": values})
-            elif kind == "artifact" and self._lacks(record):
-                left.append(record)
-        params = {k: v for k, v in params.items() if k not in data.params}
-        tags = {k: v for k, v in tags.items() if data.tags.get(k) != v}
+            elif kind == "artifact":
+                artifacts[record["path"], record["to"]] = record
+        listed: dict[str, dict[str, int]] = {}  # folder -> name -> size, one listing each
+        left += [record for record in artifacts.values() if self._lacks(record, listed)]
+        params = {k: v for k, v in params.items() if k not in there.data.params}
+        tags = {k: v for k, v in tags.items() if there.data.tags.get(k) != v}
         statuses = [r for r in records if r["kind"] == "status"]
-        if statuses and self.client.get_run(self.run_id).info.status != statuses[-1]["value"]:
+        if statuses and there.info.status != statuses[-1]["value"]:
             left.append(statuses[-1])
         first = [{"kind": "params", "values": params}] if params else []
         first += [{"kind": "tags", "values": tags}] if tags else []
         return first + left
 
-    def _lacks(self, record: dict[str, Any]) -> bool:
+    def _lacks(self, record: dict[str, Any], listed: dict[str, dict[str, int]]) -> bool:
+        """Whether the store lacks the artifact (``listed``: the folders read so far)."""
         path = self.run_dir / record["path"]
         if not path.is_file():
             return path.is_dir()  # a sharded checkpoint: sent again (files overwritten)
-        there = {
-            Path(info.path).name: info.file_size
-            for info in self.client.list_artifacts(self.run_id, record["to"] or None)
-        }
-        return there.get(path.name) != path.stat().st_size
+        folder = record["to"]
+        if folder not in listed:
+            listed[folder] = {
+                Path(info.path).name: info.file_size
+                for info in self.client.list_artifacts(self.run_id, folder or None)
+            }
+        return listed[folder].get(path.name) != path.stat().st_size
 
 
 class MlflowTracker(Tracker):
@@ -222,17 +229,18 @@ class MlflowTracker(Tracker):
         self.logged = last_steps(records)
         self.step = start.global_step
         run = next((r for r in records if r["kind"] == "run"), None)
+        this_job: list[dict[str, Any]] = []
         if run is None:  # the run's first job
             experiment = start.settings.mlflow_experiment or start.experiment
             name = start.settings.mlflow_run_name or start.run_dir.name
             run = {"kind": "run", "experiment": experiment, "name": name}
-            self.journal.append(run)
-            self.journal.append({"kind": "params", "values": flatten(start.config)})
+            this_job += [run, {"kind": "params", "values": flatten(start.config)}]
         tags = {"dmltrain.experiment": start.experiment, **start.tags}
         if start.settings.group:
             tags["group"] = start.settings.group
-        self.journal.append({"kind": "tags", "values": tags})  # this job's
-        self.journal.append({"kind": "status", "value": "RUNNING"})
+        this_job += [{"kind": "tags", "values": tags}, {"kind": "status", "value": "RUNNING"}]
+        for record in this_job:
+            self.journal.append(record)
         self.uri = str(mlflow.get_tracking_uri())
         runs = self.journal.runs()  # by store: the checkpoint's id is of the store it had
         self.run_id = runs.get(self.uri, None if runs else start.run_id)
@@ -242,7 +250,7 @@ class MlflowTracker(Tracker):
             self.run_id = self.remote.run_id
             self.journal.keep_run(self.uri, self.run_id)
             # what earlier jobs could not send, and this job's first records
-            self.remote.send(self.remote.missing(self.journal.records()))
+            self.remote.send(self.remote.missing(records + this_job))
         except Exception as exc:
             self._offline(exc)
         else:

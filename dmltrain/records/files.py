@@ -47,3 +47,18 @@ def free_space(folder: Path) -> str:
     except OSError:
         return "no space left on its file system"
     return f"no space left on its file system ({free / _MB:.1f} MB free)"
+
+
+def status_record(status: int, saved: int) -> str:
+    """What ``--status-file`` holds, as the batch scripts read it: the job's exit status,
+    then how many checkpoints the job saved."""
+    return f"{status}\n{saved}\n"
+
+
+def read_status_record(path: Path) -> tuple[int, int] | None:
+    """``status_record``'s two numbers, or None where the file is missing or not one."""
+    try:
+        written = path.read_text().split()
+        return int(written[0]), int(written[1]) if len(written) > 1 else 0
+    except (OSError, ValueError, IndexError):
+        return None

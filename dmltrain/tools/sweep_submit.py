@@ -9,6 +9,7 @@ its checkpoint) applies to each trial as to any run.
 
 import argparse
 import concurrent.futures
+import contextlib
 import datetime
 import shlex
 import shutil
@@ -21,7 +22,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from dmltrain.errors import EXIT_PEER_LOST, EXIT_REQUEUE, UserError
-from dmltrain.records.files import write_atomic
+from dmltrain.records.files import read_status_record, status_record, write_atomic
 from dmltrain.runtime.launch import child_env, cpu_set, physical_cores, split_gpus
 from dmltrain.tools import submit
 from dmltrain.tools.sweep import Sweep, best, check_trials, expand, given, load_space
@@ -279,7 +280,7 @@ def task_command(argv: list[str]) -> int:
         status = EXIT_REQUEUE
     if status_file is None:
         return status
-    write_atomic(status_file, f"{status}\n{sum(saved for _, saved in ended)}\n")
+    write_atomic(status_file, status_record(status, sum(saved for _, saved in ended)))
     # the batch script reads it there; srun would report a 3 as a failed task
     return 0 if status == EXIT_REQUEUE else status
 
@@ -297,12 +298,11 @@ def _trial_status(code: int, status_file: Path | None, trial: int) -> tuple[int,
     if status_file is None:
         return code, 0
     path = Path(f"{status_file}.trial-{trial}")
-    try:
-        written = path.read_text().split()
-        path.unlink()
-        return int(written[0]), int(written[1]) if len(written) > 1 else 0
-    except (OSError, ValueError, IndexError):
-        return code, 0
+    written = read_status_record(path)
+    if written is not None:
+        with contextlib.suppress(OSError):
+            path.unlink()
+    return written or (code, 0)
 
 
 class _StatusParser(argparse.ArgumentParser):
