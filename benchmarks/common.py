@@ -26,7 +26,7 @@ def make_model(name: str) -> nn.Module:
     if name == "tiny":
         return nn.Sequential(nn.Flatten(), nn.Linear(784, 10))
     if name == "cnn":
-        from experiments.mnist import Net
+        from dmltrain_experiments.mnist import Net
 
         return Net()
     if name == "mlp":

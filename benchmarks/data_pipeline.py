@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dmltrain.data.samples import ResumableSampler, SeededSamples
-from experiments import mnist_data
+from dmltrain_experiments import mnist_data
 
 BATCH = 64
 

@@ -15,7 +15,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks import nan_check
-from experiments.mnist import Net
+from dmltrain_experiments.mnist import Net
 
 
 def lerp_ms(repeats: int) -> float:

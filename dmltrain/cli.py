@@ -1,7 +1,8 @@
 """The ``dmltrain`` command: one subcommand per experiment, plus tools (``consolidate``).
 
 Experiments come from the ``dmltrain.experiments`` entry-point group (how the bundled
-``experiments`` package and outside packages add theirs) and from the ``experiments``
+``dmltrain_experiments`` package, the checkout's ``experiments/``, and outside packages add
+theirs) and from the ``experiments``
 argument of ``main`` (how a script adds its own). This is the one module that uses
 argparse-dataclass: flags are generated from the config dataclasses, one argument group
 per concern.
@@ -182,7 +183,7 @@ def register_experiment(
     """Describe an experiment for the CLI.
 
     Expose the result through the ``dmltrain.experiments`` entry-point group
-    (``mnist = experiments.mnist:EXPERIMENT``) or pass it to ``main(experiments=[...])``.
+    (``mnist = dmltrain_experiments.mnist:EXPERIMENT``) or pass it to ``main(experiments=[...])``.
     """
     if not name.replace("-", "").replace("_", "").isalnum():
         raise ValueError(f"experiment name {name!r} must be letters, digits, '-' or '_'")
@@ -253,6 +254,40 @@ def experiment_file(path: Path) -> Experiment:
             "(EXPERIMENT = register_experiment(...) at the top level)"
         )
     return found[0]
+
+
+def _to_launch(
+    given: str, known: dict[str, Experiment], installed: dict[str, Experiment]
+) -> tuple[str, str]:
+    """``dmltrain submit|sweep EXPERIMENT``: (its name, how a batch job or a trial names it
+    on its command line). An installed experiment goes by its name; one from a file
+    (``FILE.py``, or the script that called ``main``) by that file's absolute path, which
+    ``dmltrain FILE.py`` runs on any node. A file's experiment joins ``known``."""
+    if given.endswith(".py"):
+        from_file = experiment_file(Path(given))
+        known[from_file.name] = from_file
+        return from_file.name, str(Path(given).resolve())
+    experiment = known.get(given)
+    if experiment is None or installed.get(given) is experiment:
+        return given, given  # installed, or not an experiment: the subcommand says which
+    holders = [sys.modules.get("__main__"), sys.modules.get(experiment.trainer_cls.__module__)]
+    for module in holders:
+        registered = (
+            [v for v in vars(module).values() if isinstance(v, Experiment)] if module else []
+        )
+        path = getattr(module, "__file__", None)
+        if experiment not in registered or not path:
+            continue
+        if len(registered) != 1:
+            raise UserError(
+                f"{path} registers {len(registered)} experiments; its jobs run 'dmltrain "
+                f"{Path(path).name}', which needs exactly one: put {given!r} in a file of its own"
+            )
+        return given, str(Path(path).resolve())
+    raise UserError(
+        f"experiment {given!r} is neither installed (an entry point) nor registered in a "
+        "file, so a job could not start it: put it in FILE.py and run dmltrain FILE.py"
+    )
 
 
 class _Parser(argparse.ArgumentParser):
@@ -421,11 +456,18 @@ def main(argv: Sequence[str] | None = None, experiments: Sequence[Experiment] = 
             return 2
         experiments = [*experiments, from_file]
         argv = [from_file.name, *argv[1:]]
-    known = discover_experiments()
-    known.update({experiment.name: experiment for experiment in experiments})
+    installed = discover_experiments()
+    known = {**installed, **{experiment.name: experiment for experiment in experiments}}
     if argv and argv[0] in TOOLS:
         if argv[0] in ("submit", "sweep"):  # the flags it does not know are the experiment's
             namespace, flags = build_parser(known).parse_known_args(argv)
+            try:
+                namespace.experiment, namespace.launch_as = _to_launch(
+                    namespace.experiment, known, installed
+                )
+            except UserError as exc:
+                print(f"dmltrain: error: {exc}", file=sys.stderr)
+                return 2
             namespace.flags = flags
             namespace.check_flags = lambda flags: parse(flags, known)
             namespace.options_of = lambda name: _option_names(known, name)

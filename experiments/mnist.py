@@ -13,7 +13,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from dmltrain import BaseTrainer, register_experiment
-from experiments import mnist_data
+
+from . import mnist_data
 
 
 @dataclass(frozen=True)

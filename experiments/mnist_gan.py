@@ -12,8 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dmltrain import BaseTrainer, register_experiment
-from experiments import mnist_data
-from experiments.mnist import MnistOptions, MnistTrainer
+
+from . import mnist_data
+from .mnist import MnistOptions, MnistTrainer
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,16 @@ TESTS = ROOT / "tests"
 SAMPLE = ROOT / "experiments" / "mnist_sample"
 
 
+def readme_experiment(folder: Path) -> Path:
+    """The README's complete experiment (experiment ``line``), written to
+    ``folder/my_experiment.py`` as a user would save it: a file, not an installed package."""
+    readme = (ROOT / "README.md").read_text()
+    part = readme.split("## Writing your own experiment", 1)[1]
+    path = folder / "my_experiment.py"
+    path.write_text(re.search(r"```python\n(.*?)```", part, re.S).group(1))
+    return path
+
+
 def cli_env(gpus: bool = False, **extra: str) -> dict[str, str]:
     """The environment for a dmltrain subprocess: tests/ importable, no batch-system ids,
     and no GPUs unless asked for (the mechanics tests run on the CPU with Gloo, as in CI)."""
@@ -131,12 +141,20 @@ def log_numbers(run: Path) -> list[dict[str, float]]:
             for row in rows]  # fmt: skip
 
 
+def final_weights(run: Path) -> dict[str, torch.Tensor]:
+    """The run's final_weights.pt (tiny's --save-weights), else its latest checkpoint's model."""
+    if (run / "final_weights.pt").is_file():
+        return torch.load(run / "final_weights.pt", weights_only=True)
+    from dmltrain.checkpoint.storage import load_file
+
+    return load_file(run / "checkpoints" / "latest.pt")["model"]
+
+
 def assert_same_run(run_a: Path, run_b: Path, rel: float = 0.0) -> None:
-    """Same final weights (final_weights.pt) and training-log numbers: bitwise when rel is
-    0, else within ``rel`` relative."""
+    """Same final weights and training-log numbers: bitwise when rel is 0, else within
+    ``rel`` relative."""
     a, b = log_numbers(run_a), log_numbers(run_b)
-    wa = torch.load(run_a / "final_weights.pt", weights_only=True)
-    wb = torch.load(run_b / "final_weights.pt", weights_only=True)
+    wa, wb = final_weights(run_a), final_weights(run_b)
     assert len(a) == len(b) and list(wa) == list(wb)
     if rel == 0.0:
         assert a == b

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import dmltrain  # noqa: F401  (both sides pay for the same imports)
 from dmltrain import BaseTrainer, TrainConfig
 from dmltrain.runtime.launch import detect
-from experiments.mnist import Net
+from dmltrain_experiments.mnist import Net
 
 SEED, EPOCHS, BATCH, SAMPLES = 0, 2, 64, 640
 

@@ -79,6 +79,29 @@ def test_the_venv_trains_mnist(venv, tmp_path):
     assert (tmp_path / "run" / "training_log.csv").read_text().count("\n") == 2
 
 
+def test_a_users_own_experiments_package_and_dmltrains_live_side_by_side(venv, tmp_path):
+    """A project of the user's that installs a package named ``experiments``, into the
+    venv beside dmltrain (whose bundled ones install as ``dmltrain_experiments``): each
+    imports its own."""
+    project = tmp_path / "project"
+    (project / "experiments").mkdir(parents=True)
+    (project / "experiments" / "__init__.py").write_text("WHOSE = 'the user'\n")
+    (project / "setup.py").write_text(
+        "from setuptools import setup\n"
+        "setup(name='user-project', version='1', packages=['experiments'])\n"
+    )
+    pip = run_in(venv, "python", "-m", "pip", "install", "--no-build-isolation", "--no-deps",
+                 str(project), cwd=tmp_path)  # fmt: skip
+    assert pip.returncode == 0, pip.stdout[-2000:] + pip.stderr[-2000:]
+    work = tmp_path / "work"
+    work.mkdir()
+    mine = run_in(venv, "python", "-c", "import experiments; print(experiments.WHOSE)", cwd=work)
+    assert mine.stdout.strip() == "the user", mine.stderr[-2000:]
+    done = run_in(venv, "dmltrain", *MNIST, "--max-steps", "3", "--run-dir", "run", cwd=work)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (work / "run" / "training_log.csv").read_text().count("\n") == 2
+
+
 def test_the_venv_runs_horovodrun_with_two_processes(venv, tmp_path):
     done = run_in(
         venv,

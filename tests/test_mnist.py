@@ -14,7 +14,7 @@ from helpers import AT_ONCE, cli_env, log_numbers, own_port, require, run_cli, s
 from dmltrain.checkpoint.storage import load_file
 from dmltrain.records.training_log import read_training_log
 from dmltrain.runtime.launch import free_port
-from experiments import mnist_data
+from dmltrain_experiments import mnist_data
 
 COLUMNS = ["epoch", "step", "train_loss", "val_loss", "val_acc", "lr", "world_size", "epoch_time_s"]
 

@@ -7,7 +7,7 @@ import pytest
 from helpers import SAMPLE
 
 from dmltrain import UserError
-from experiments import mnist_data
+from dmltrain_experiments import mnist_data
 
 SAMPLE_MD5 = {
     "train-images-idx3-ubyte.gz": "c9ef0eaccfa7ebc068a225ea73f05d56",

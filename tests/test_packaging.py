@@ -1,6 +1,8 @@
-"""What an install takes of the checkout (setup.cfg: ``packages = find:``): every folder of
-the library is a package that git keeps, so a clone installs all of it."""
+"""What an install takes of the checkout (setup.cfg's ``packages``): every folder of the
+library is a package that git keeps and that setup.cfg names, so a clone installs all of
+it; the bundled experiments install as ``dmltrain_experiments``."""
 
+import configparser
 import subprocess
 
 from helpers import ROOT
@@ -19,3 +21,8 @@ def test_every_folder_of_the_library_is_a_package_an_install_takes():
     tracked = subprocess.run(["git", "ls-files", *inits], cwd=ROOT, capture_output=True,
                              text=True, check=True).stdout.split()  # fmt: skip
     assert sorted(tracked) == sorted(inits)  # none hidden by .gitignore (data/ once was)
+    setup = configparser.ConfigParser()
+    setup.read(ROOT / "setup.cfg")
+    listed = set(setup["options"]["packages"].split())
+    assert listed == found | {"dmltrain_experiments"}  # a new subpackage must be listed
+    assert "dmltrain_experiments = experiments" in setup["options"]["package_dir"]

@@ -5,17 +5,12 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, cli_env
+from helpers import ROOT, cli_env, readme_experiment
 
 from dmltrain import TrainConfig
 from dmltrain.records.training_log import read_training_log
 
 README = (ROOT / "README.md").read_text()
-
-
-def _example_source() -> str:
-    part = README.split("## Writing your own experiment", 1)[1]
-    return re.search(r"```python\n(.*?)```", part, re.S).group(1)
 
 
 def test_readme_opens_with_the_two_commands():
@@ -30,7 +25,7 @@ def test_readme_opens_with_the_two_commands():
 
 
 def test_example_runs_from_the_command_line(tmp_path):
-    (tmp_path / "my_experiment.py").write_text(_example_source())
+    readme_experiment(tmp_path)
     run = tmp_path / "run"
     done = subprocess.run(
         [
@@ -67,7 +62,8 @@ def test_example_runs_from_the_command_line(tmp_path):
 
 def test_example_runs_from_a_notebook(tmp_path, monkeypatch):
     namespace: dict = {"__name__": "notebook"}
-    exec(compile(_example_source(), "README example", "exec"), namespace)
+    source = readme_experiment(tmp_path).read_text()
+    exec(compile(source, "README example", "exec"), namespace)
     trainer = namespace["LineTrainer"](
         TrainConfig(epochs=20, lr=0.1, batch_size=32, run_dir=str(tmp_path / "nb"), progress="off"),
         namespace["LineOptions"](),
@@ -88,7 +84,7 @@ def test_the_callback_example_logs_and_checkpoints_its_state(tmp_path):
 
     from dmltrain.checkpoint.storage import load_file
 
-    (tmp_path / "my_experiment.py").write_text(_example_source())
+    readme_experiment(tmp_path)
     (tmp_path / "my_callbacks.py").write_text(_block("### Callbacks"))
     run = tmp_path / "run"
     done = subprocess.run(
@@ -109,7 +105,7 @@ def test_the_metrics_example_logs_the_whole_sets_rmse_and_a_figure(tmp_path):
     of val_loss (both over every sample), and TensorBoard holds the figure of each epoch."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    (tmp_path / "my_experiment.py").write_text(_example_source())
+    readme_experiment(tmp_path)
     (tmp_path / "my_metrics.py").write_text(_block("### Metrics over the whole validation set"))
     run = tmp_path / "run"
     done = subprocess.run(
@@ -131,7 +127,7 @@ def test_the_manual_step_shown_is_the_bundled_gans():
 
 
 def test_the_tracker_example_is_named_by_its_entry_point(tmp_path):
-    (tmp_path / "my_experiment.py").write_text(_example_source())
+    readme_experiment(tmp_path)
     (tmp_path / "my_tracker.py").write_text(_block("### A tracker of your own"))
     info = tmp_path / "my_tracker-0.dist-info"  # what pip writes for the README's entry point
     info.mkdir()

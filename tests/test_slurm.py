@@ -18,6 +18,7 @@ from helpers import (
     assert_same_run,
     cli_env,
     job_field,
+    readme_experiment,
     release_requeues_until_done,
     run_cli,
     sbatch,
@@ -169,6 +170,28 @@ def test_submit_slurm_writes_the_script_into_the_run_directory_and_completes(
     assert "#SBATCH --ntasks-per-node=2" in (run / "submit-slurm.sh").read_text()
     assert list(run.glob("slurm-*.out"))
     assert_same_run(tiny_reference, run)
+
+
+def test_an_experiment_file_submitted_from_itself_runs_that_file_in_the_job(slurm, tmp_path):
+    """``python my_experiment.py submit slurm line``: the README's experiment, a file the
+    job's node can read but no installed package; the batch script runs it by its path,
+    and the run equals the same command run here."""
+    source = readme_experiment(tmp_path)
+    line = ["--epochs", "2", "--batch-size", "32", "--progress", "off"]
+    done = subprocess.run(
+        [sys.executable, "my_experiment.py", "submit", "slurm", "line", *line,
+         "--cpus-per-task", "1", "--time", "10"],
+        cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    job = re.search(r"submitted job (\d+)", done.stdout).group(1)
+    run = Path(re.search(r"run directory (\S+)", done.stdout).group(1))
+    assert run.name.startswith("line-")
+    assert f"set -- {source} --epochs 2" in (run / "submit-slurm.sh").read_text()
+    here = run_cli(str(source), *line, "--run-dir", str(tmp_path / "here"), cwd=tmp_path)
+    assert here.returncode == 0, here.stderr
+    wait_for(lambda: job_field(job, "JobState") == "COMPLETED", 180, f"job {job}")
+    assert_same_run(tmp_path / "here", run)
 
 
 def test_submit_refuses_a_job_the_partition_can_never_start(slurm, tmp_path):

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import cli_env, require, run_cli
+from helpers import cli_env, readme_experiment, require, run_cli
 
 from dmltrain.config import time_limit_seconds
 
@@ -120,3 +120,38 @@ def test_time_limit_formats():
     assert time_limit_seconds("02:00:00") == 2 * 3600
     assert time_limit_seconds("1-02") == 26 * 3600
     assert time_limit_seconds("1-00:30:00") == 24 * 3600 + 30 * 60
+
+
+def test_a_pbs_job_of_an_experiment_file_runs_that_file_by_its_path(tmp_path):
+    source = readme_experiment(tmp_path)
+    done, script = dry_run(tmp_path, "pbs", "my_experiment.py", "--epochs", "2")
+    assert done.returncode == 0, done.stderr
+    assert f"set -- {source} --epochs 2 --run-dir " in script
+
+
+TWO = """from dmltrain import BaseTrainer, register_experiment
+from dmltrain.cli import main
+
+class T(BaseTrainer):
+    pass
+
+A = register_experiment("a", T)
+B = register_experiment("b", T)
+
+if __name__ == "__main__":
+    raise SystemExit(main(experiments=[A, B]))
+"""
+
+
+def test_an_experiment_no_job_could_start_is_one_line(tmp_path):
+    """A script that registers two experiments: ``dmltrain FILE.py`` (what a job would
+    run) cannot tell which, so submitting one from it is refused; nothing is written."""
+    (tmp_path / "two.py").write_text(TWO)
+    done = subprocess.run([sys.executable, "two.py", "submit", "slurm", "a", "--dry-run"],
+                          cwd=tmp_path, env=cli_env(), capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith(f"dmltrain: error: {tmp_path / 'two.py'} registers 2 "), (
+        done.stderr
+    )
+    assert "put 'a' in a file of its own" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "runs").exists()

@@ -2,7 +2,8 @@
 grid as a job array, 2 at a time, one task preempted with scancel --signal=USR1; every
 trial ends equal to the same trial run here (``--local``), only the preempted task is
 requeued, and submitting the finished sweep again starts nothing; 2 trials packed in each
-task. The PBS path with PBS faked (tests/cluster/qsub)."""
+task. The PBS path with PBS faked (tests/cluster/qsub). An experiment in a file of the
+user's (the README's, not installed) swept here, as a Slurm array and as a PBS array."""
 
 import json
 import re
@@ -14,7 +15,9 @@ import pytest
 from helpers import (
     TINY_RUN,
     assert_same_run,
+    cli_env,
     job_field,
+    readme_experiment,
     release_requeues_until_done,
     require,
     run_cli,
@@ -151,3 +154,62 @@ def test_the_array_scripts_pass_shellcheck(tmp_path):
     packed = scripts[1].read_text()
     assert 'set -- sweep task "$sweep" "$trial" 2' in packed
     assert "#SBATCH --ntasks-per-node=1" in packed
+
+
+LINE_SPACE = "lr: [0.05, 0.1]\n"
+LINE = ["--epochs", "2", "--batch-size", "32", "--progress", "off"]
+
+
+@pytest.fixture(scope="module")
+def line_here(tmp_path_factory):
+    """``dmltrain sweep my_experiment.py --local``: the README's experiment file (not an
+    installed package) swept here; each trial runs the file by its absolute path."""
+    cwd = tmp_path_factory.mktemp("line-here")
+    source = readme_experiment(cwd)
+    (cwd / "sweep.yaml").write_text(LINE_SPACE)
+    done = run_cli("sweep", "my_experiment.py", *LINE, "--space", "sweep.yaml", "--name", "here",
+                   "--local", cwd=cwd)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count(": done (exit status 0)") == 2, done.stdout
+    sweep = cwd / "runs" / "here"
+    for trial in range(2):
+        assert (sweep / f"trial-{trial}" / "args").read_text().split()[0] == str(source)
+    return sweep
+
+
+def test_an_experiment_file_started_as_a_script_sweeps_here(line_here, tmp_path):
+    """``python my_experiment.py sweep line``: the trials run that file too."""
+    readme_experiment(tmp_path)
+    (tmp_path / "sweep.yaml").write_text(LINE_SPACE)
+    done = subprocess.run(
+        [sys.executable, "my_experiment.py", "sweep", "line", *LINE, "--space", "sweep.yaml",
+         "--name", "script", "--local"],
+        cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    for trial in range(2):
+        ran = tmp_path / "runs" / "script" / f"trial-{trial}"
+        assert (ran / "args").read_text().split()[0] == str(tmp_path / "my_experiment.py")
+        assert_same_run(line_here / f"trial-{trial}", ran)
+
+
+def test_an_experiment_file_sweeps_as_a_slurm_array_and_a_pbs_array(slurm, line_here, tmp_path):
+    readme_experiment(tmp_path)
+    (tmp_path / "sweep.yaml").write_text(LINE_SPACE)
+    args = ["sweep", "my_experiment.py", *LINE, "--space", "sweep.yaml"]
+    done = run_cli(*args, "--name", "array", *TASK, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    array = re.search(r"submitted job array (\d+) \(trials 0,1\)", done.stdout).group(1)
+    for task in (0, 1):
+        wait_for(lambda t=task: job_field(f"{array}_{t}", "JobState") == "COMPLETED", 240, "tasks")
+    env = pbs_env(tmp_path)
+    pbs = subprocess.run(
+        [sys.executable, "-m", "dmltrain", *args, "--name", "pbs", "--system", "pbs", "--script",
+         "casper"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert pbs.returncode == 0, pbs.stderr[-3000:]
+    for trial in range(2):
+        assert_same_run(
+            line_here / f"trial-{trial}", tmp_path / "runs" / "array" / f"trial-{trial}"
+        )
+        assert_same_run(line_here / f"trial-{trial}", tmp_path / "runs" / "pbs" / f"trial-{trial}")

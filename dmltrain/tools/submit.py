@@ -163,7 +163,7 @@ def render(args: argparse.Namespace, flags: Sequence[str], run_dir: Path, target
     text = (scripts_dir() / choices[script]).read_text()
     directives = _slurm_directives if args.system == "slurm" else _pbs_directives
     text = set_directives(text, directives(args, script, run_dir))
-    command = [args.experiment, *flags, "--run-dir", str(run_dir)]
+    command = [args.launch_as, *flags, "--run-dir", str(run_dir)]
     env = args.env if args.env is not None else current_env()
     filled = [
         f"# Written by dmltrain submit on {datetime.datetime.now():%Y-%m-%d %H:%M}; submit this "

@@ -109,7 +109,7 @@ def run(
     check_trials(trials, fixed, args.experiment, check_flags)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     sweep = Sweep(Path("runs") / (args.name or f"{args.experiment}-sweep-{stamp}"))
-    sweep.create(args.experiment, fixed, trials)
+    sweep.create(args.launch_as, fixed, trials)
     left = sweep.left()
     print(
         f"dmltrain sweep: {len(trials)} trial(s) in {sweep.directory} ({sweep.directory}/"
