@@ -203,6 +203,7 @@ class DDPStrategy(Strategy):
             self.config.dist_timeout,
             interface,
             info.agent_store_attempt,
+            info.device if backend == "nccl" else None,
         )
         dist.init_process_group(
             backend,
@@ -485,11 +486,6 @@ def create_strategy(info: DistInfo, config: DistConfig) -> Strategy:
             f"--strategy single cannot run {info.world_size} processes; use ddp, fsdp or horovod"
         )
     if name != "horovod":
-        backend = resolve_backend(config.backend, info.device)  # fail early and clearly
-        gpus = torch.cuda.device_count()
-        if backend == "nccl" and info.local_world_size > gpus:
-            raise UserError(
-                f"{info.local_world_size} processes on this node but {gpus} GPU(s): NCCL needs "
-                "one GPU per process; start at most that many per node, or use --backend gloo"
-            )
+        # fail early and clearly; two processes on one GPU: preflight, which sees them all
+        resolve_backend(config.backend, info.device)
     return STRATEGIES[name](info, config)

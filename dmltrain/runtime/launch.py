@@ -200,7 +200,10 @@ def child_env(extra: dict[str, str]) -> dict[str, str]:
 
 
 def default_device(local_rank: int = 0) -> str:
-    """One process per GPU: local rank N uses cuda:N; the CPU when CUDA is absent."""
+    """One process per GPU: local rank N uses cuda:N among the GPUs this process sees,
+    counted round (a task that sees only its own GPU, as ``srun --gpus-per-task 1`` gives
+    it, uses that one: cuda:0); the CPU when CUDA is absent. Ranks that would share a GPU
+    under NCCL are refused at the rendezvous (``preflight``)."""
     if not torch.cuda.is_available():
         return "cpu"
     return f"cuda:{local_rank % max(torch.cuda.device_count(), 1)}"

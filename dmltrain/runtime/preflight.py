@@ -7,7 +7,11 @@ and then fail with a backend's message is checked here, through the store:
 - a rank that cannot reach the rendezvous, or a rendezvous that not every rank reaches;
 - a host whose name resolves to a loopback address (Debian writes ``127.0.1.1 HOSTNAME``
   into /etc/hosts) in a job that spans hosts: Gloo would offer the others that address;
-- hosts with different versions of torch, dmltrain or Horovod.
+- hosts with different versions of torch, dmltrain or Horovod;
+- two ranks of an NCCL job on one GPU: Slurm may give each task its own GPU
+  (``--gpus-per-task 1``: each sees one, as its ``cuda:0``) or every task all of the
+  node's (``--gpus-per-node``); only the GPUs' UUIDs tell which, so the node's ranks
+  compare them here.
 """
 
 import datetime
@@ -32,11 +36,13 @@ def rendezvous(
     seconds: float,
     interface_set: bool,
     agent_attempt: int | None = None,
+    nccl_device: str | None = None,
 ) -> Any:
     """Meet the other ranks at the TCPStore on ``addr:port`` (rank 0 holds it, or with
     ``agent_attempt`` torchrun's agent does), then make the checks across hosts
     (``check``); the store, for the process group and the roll call after a failed
-    collective (``dmltrain.runtime.peers``). Failures are one line naming the node."""
+    collective (``dmltrain.runtime.peers``). ``nccl_device``: this rank's GPU in an NCCL
+    job, which no other rank may share. Failures are one line naming the node."""
     here = hostname()
     held = agent_attempt is not None  # rank 0 binding the agent's port fails, with a line
     try:
@@ -51,7 +57,7 @@ def rendezvous(
         raise _rendezvous_failed(exc, rank, f"{addr}:{port}", here, seconds) from None
     if held:  # the agent's store outlives a restart of its workers: keys of this attempt
         store = dist.PrefixStore(f"/dmltrain/attempt_{agent_attempt}", store)
-    check(store, rank, world_size, here, interface_set)
+    check(store, rank, world_size, here, interface_set, nccl_device)
     return store
 
 
@@ -89,12 +95,29 @@ def _packages() -> dict[str, str | None]:
     return {"torch": torch.__version__, **{n: package_version(n) for n in ("dmltrain", "horovod")}}
 
 
-def check(store: Any, rank: int, world_size: int, here: str, interface_set: bool) -> None:
-    """Every rank posts its host, the address its name resolves to and its versions, reads
-    everyone's, and raises the same UserError on every rank when something is wrong.
-    ``interface_set``: GLOO_SOCKET_IFNAME chooses the address, so the name's does not
-    matter."""
-    mine = {"host": here, "address": _resolves_to(here), "versions": _packages()}
+def gpu(device: str | None) -> dict[str, Any] | None:
+    """The GPU ``device`` names, as preflight compares it: its UUID, and what this process
+    sees (for the message)."""
+    if device is None:
+        return None
+    properties = torch.cuda.get_device_properties(torch.device(device))
+    return {"uuid": str(properties.uuid), "device": device, "sees": torch.cuda.device_count()}
+
+
+def check(
+    store: Any,
+    rank: int,
+    world_size: int,
+    here: str,
+    interface_set: bool,
+    nccl_device: str | None = None,
+) -> None:
+    """Every rank posts its host, the address its name resolves to, its versions and its
+    GPU, reads everyone's, and raises the same UserError on every rank when something is
+    wrong. ``interface_set``: GLOO_SOCKET_IFNAME chooses the address, so the name's does
+    not matter."""
+    mine = {"host": here, "address": _resolves_to(here), "versions": _packages(),
+            "gpu": gpu(nccl_device)}  # fmt: skip
     store.set(f"dmltrain/preflight/{rank}", json.dumps(mine))
     keys = [f"dmltrain/preflight/{r}" for r in range(world_size)]
     ranks = [json.loads(store.get(key)) for key in keys]
@@ -136,5 +159,25 @@ def _problem(ranks: list[dict[str, Any]], interface_set: bool) -> str | None:
             return (
                 f"the nodes run different versions of {package}: {which}: install the same "
                 "environment on every node"
+            )
+    return _shared_gpu(ranks)
+
+
+def _shared_gpu(ranks: list[dict[str, Any]]) -> str | None:
+    """Two ranks of an NCCL job on one GPU (NCCL cannot run them), or None."""
+    users: dict[tuple[str, str], list[int]] = {}
+    for rank, r in enumerate(ranks):
+        if r.get("gpu"):
+            users.setdefault((r["host"], r["gpu"]["uuid"]), []).append(rank)
+    for (host, _), sharing in users.items():
+        if len(sharing) > 1:
+            on_host = sum(r["host"] == host for r in ranks)
+            a, b = (ranks[i]["gpu"] for i in sharing[:2])
+            return (
+                f"ranks {sharing[0]} and {sharing[1]} on {host} use the same GPU ({a['device']} "
+                f"and {b['device']}, each process seeing {a['sees']} and {b['sees']} GPU(s); "
+                f"{on_host} processes on that node): NCCL needs a GPU for each process: start "
+                "at most one process per GPU (srun --gpus-per-task 1, or as many tasks a node "
+                "as --gpus-per-node), or use --backend gloo"
             )
     return None
