@@ -112,7 +112,7 @@ def test_submit_pbs_writes_a_filled_in_script_that_runs_to_completion(tiny_refer
     assert done.returncode == 0, done.stderr
     run = Path(re.search(r"run directory (\S+)", done.stdout).group(1))
     script = (run / "submit-pbs.sh").read_text()
-    assert "#PBS -l select=1:ncpus=2:mpiprocs=2" in script
+    assert "#PBS -l select=1:ncpus=8:mpiprocs=2" in script  # 4 CPUs a process
     assert "#PBS -l walltime=24:30:00" in script and "#PBS -A PROJ0001" in script
     logs = job_logs(tmp_path)
     assert [status for _, status in logs] == [0, 0]  # 2 epochs, then the last one

@@ -155,3 +155,22 @@ def test_an_experiment_no_job_could_start_is_one_line(tmp_path):
     )
     assert "put 'a' in a file of its own" in done.stderr and "Traceback" not in done.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_pbs_asks_four_cpus_a_process_or_the_whole_node(tmp_path):
+    """ncpus = processes a node x --cpus-per-task (4 by default, as slurm/run.sh asks of
+    Slurm): one CPU a GPU process would leave its loader workers none."""
+    for folder in "abc":
+        (tmp_path / folder).mkdir()
+    done, script = dry_run(tmp_path / "a", "pbs", "tiny", "--nodes", "2", "--gpus-per-node", "4")
+    assert done.returncode == 0, done.stderr
+    assert "#PBS -l select=2:ncpus=16:ngpus=4:mpiprocs=4" in script.splitlines()
+    assert "place" not in script
+    done, script = dry_run(tmp_path / "b", "pbs", "tiny", "--gpus-per-node", "4", "--whole-node")
+    assert done.returncode == 0, done.stderr
+    lines = script.splitlines()
+    assert "#PBS -l select=1:ncpus=64:ngpus=4:mpiprocs=4" in lines  # derecho.sh's node
+    assert "#PBS -l place=scatter:excl" in lines
+    done, script = dry_run(tmp_path / "c", "slurm", "tiny", "--whole-node")
+    assert done.returncode == 0, done.stderr
+    assert "#SBATCH --exclusive" in script.splitlines()

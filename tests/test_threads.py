@@ -6,7 +6,7 @@ import pytest
 from helpers import run_cli
 
 from dmltrain.runtime.launch import cpu_set, physical_cores, run_environment
-from dmltrain.runtime.threads import choose
+from dmltrain.runtime.threads import assign, choose, starved
 
 
 def rank(host="a", cpus=(0, 1, 2, 3), cores=4, omp=None, per_task=None):
@@ -53,6 +53,21 @@ def test_auto_workers_come_from_the_same_share(ranks, cuda, workers, threads):
     choice = choose(0, "auto", ranks, 0, cuda)
     assert (choice.workers, choice.threads) == (workers, threads)
     assert choose(0, 2, ranks, 0, cuda).workers == 2  # a number is taken as it is
+
+
+def test_gpu_processes_with_one_cpu_each_are_warned_of():
+    """PBS's select=1:ncpus=4:ngpus=4:mpiprocs=4 (the old default of dmltrain submit pbs):
+    4 GPU processes share 4 cores, so their loader workers have none of their own."""
+    four = [{**rank(), "device": f"cuda:{i}"} for i in range(4)]
+    assign(0, "auto", four, cuda=True)
+    warning = starved(four)
+    assert warning is not None and warning.startswith("4 GPU process(es) on a have 1 CPU each")
+    two = [{**rank(), "device": f"cuda:{i}"} for i in range(2)]
+    assign(0, "auto", two, cuda=True)
+    assert starved(two) is None  # 2 CPUs each
+    cpu = [{**rank(), "device": "cpu"} for _ in range(4)]
+    assign(0, "auto", cpu)
+    assert starved(cpu) is None  # on the CPU the cores compute; nothing loads beside them
 
 
 def test_auto_workers_reach_the_loader_and_the_summary(tmp_path):

@@ -24,6 +24,7 @@ import torch
 
 from dmltrain.records.files import write_atomic
 from dmltrain.runtime.launch import DistInfo, RunEnvironment, hostname
+from dmltrain.runtime.threads import starved
 
 
 def this_rank(dist: DistInfo, environment: RunEnvironment) -> dict[str, Any]:
@@ -225,6 +226,7 @@ def summary(info: dict[str, Any], path: Path) -> str:
             f"dmltrain: {where}",
             f"dmltrain: {shown}",
             f"dmltrain: code {code['path']} {state}; details in {path}",
+            *([f"dmltrain: warning: {few}"] if (few := starved(info["ranks"])) else []),
         ]
     )
 

@@ -29,6 +29,7 @@ class ThreadChoice:
     threads: int
     why: str  # for the startup summary and diagnostics.json
     workers: int  # DataLoader worker processes
+    share: int  # the CPUs this process has, for itself and its workers
 
 
 def auto_workers(cpus: int, cuda: bool) -> int:
@@ -51,18 +52,34 @@ def choose(
         share, why = me["cpus_per_task"], f"SLURM_CPUS_PER_TASK={me['cpus_per_task']}"
     loaders = auto_workers(share, cuda) if workers == "auto" else int(workers)
     if flag:
-        return ThreadChoice(flag, "--threads", loaders)
+        return ThreadChoice(flag, "--threads", loaders, share)
     if me["omp_num_threads"]:
-        return ThreadChoice(me["omp_num_threads"], "OMP_NUM_THREADS", loaders)
+        return ThreadChoice(me["omp_num_threads"], "OMP_NUM_THREADS", loaders, share)
     threads = max(1, share - loaders)
     if loaders:
         why += f", {loaders} loader worker(s)"
-    return ThreadChoice(threads, why, loaders)
+    return ThreadChoice(threads, why, loaders, share)
 
 
 def assign(flag: int, workers: int | str, ranks: list[dict[str, Any]], cuda: bool = False) -> None:
     """Every rank's choice into its entry of ``ranks`` (``threads``, ``threads_why``,
-    ``workers``)."""
+    ``workers``, ``cpu_share``)."""
     for rank, entry in enumerate(ranks):
         choice = choose(flag, workers, ranks, rank, cuda)
-        entry.update(threads=choice.threads, threads_why=choice.why, workers=choice.workers)
+        entry.update(threads=choice.threads, threads_why=choice.why, workers=choice.workers,
+                     cpu_share=choice.share)  # fmt: skip
+
+
+def starved(ranks: list[dict[str, Any]]) -> str | None:
+    """A warning when GPU processes have fewer than 2 CPUs each (one for the process, one
+    or more for its loader workers), else None."""
+    low = [r for r in ranks if str(r.get("device", "")).startswith("cuda") and r["cpu_share"] < 2]
+    if not low:
+        return None
+    hosts = sorted({r["host"] for r in low})
+    return (
+        f"{len(low)} GPU process(es) on {', '.join(hosts[:3])}{' ...' if len(hosts) > 3 else ''} "
+        f"have {min(r['cpu_share'] for r in low)} CPU each: their data loading competes "
+        "with the training step; ask more CPUs a process (Slurm: --cpus-per-task; PBS: "
+        "ncpus in select, dmltrain submit pbs --cpus-per-task)"
+    )

@@ -25,6 +25,9 @@ SCRIPTS = {
     "slurm": {"run": "run.sh", "torchrun": "torchrun.sh", "horovod": "horovod.sh"},
     "pbs": {"derecho": "pbs/derecho.sh", "casper": "pbs/casper.sh"},
 }
+# PBS's default CPUs a training process, as slurm/run.sh asks of Slurm (#SBATCH
+# --cpus-per-task=4): the process and its DataLoader workers.
+CPUS_PER_TASK = 4
 _TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
 
 
@@ -50,7 +53,17 @@ def add_resources(resources: Any) -> None:
         help="training processes per node (default: --gpus-per-node, or 1)",
     )
     resources.add_argument(
-        "--cpus-per-task", type=int, default=0, help="CPU cores per training process"
+        "--cpus-per-task",
+        type=int,
+        default=0,
+        help="CPU cores per training process, for it and its loader workers (default: the "
+        f"Slurm script's, {CPUS_PER_TASK} on PBS)",
+    )
+    resources.add_argument(
+        "--whole-node",
+        action="store_true",
+        help="the nodes to this job alone (Slurm --exclusive; PBS place=excl, with the "
+        "cores the PBS script's header gives a node unless --cpus-per-task)",
     )
     resources.add_argument("--time", default="01:00:00", help="time limit, [D-]HH:MM:SS")
     resources.add_argument("--partition", "--queue", dest="queue", help="partition or queue")
@@ -104,7 +117,9 @@ def _directives(prefix: str, values: dict[str, str], sep: str) -> dict[str, str]
     return {f"{prefix} {key}{sep}": f"{prefix} {key}{sep}{value}" for key, value in values.items()}
 
 
-def _slurm_directives(args: argparse.Namespace, script: str, run_dir: Path) -> dict[str, str]:
+def _slurm_directives(
+    args: argparse.Namespace, script: str, run_dir: Path, template: str
+) -> dict[str, str]:
     tasks = args.tasks_per_node or args.gpus_per_node or 1
     values = {
         "--job-name": args.job_name or f"dmltrain-{args.experiment}",
@@ -122,14 +137,21 @@ def _slurm_directives(args: argparse.Namespace, script: str, run_dir: Path) -> d
         values["--partition"] = args.queue
     if args.account:
         values["--account"] = args.account
-    return _directives("#SBATCH", values, "=")
+    exclusive = {"#SBATCH --exclusive": "#SBATCH --exclusive"} if args.whole_node else {}
+    return _directives("#SBATCH", values, "=") | exclusive
 
 
-def _pbs_directives(args: argparse.Namespace, script: str, run_dir: Path) -> dict[str, str]:
+def _pbs_directives(
+    args: argparse.Namespace, script: str, run_dir: Path, template: str
+) -> dict[str, str]:
     if script == "casper" and args.nodes != 1:
         raise UserError("--script casper runs on one node; use --script derecho for --nodes > 1")
     tasks = args.tasks_per_node or args.gpus_per_node or 1
-    select = f"{args.nodes}:ncpus={max(args.cpus_per_task, 1) * tasks}"
+    ncpus = (args.cpus_per_task or CPUS_PER_TASK) * tasks
+    whole = re.search(r"^#PBS -l select=\d+:ncpus=(\d+)", template, re.M)
+    if args.whole_node and not args.cpus_per_task and whole:
+        ncpus = int(whole.group(1))  # the node the script was written for
+    select = f"{args.nodes}:ncpus={ncpus}"
     if args.gpus_per_node:
         select += f":ngpus={args.gpus_per_node}"
     select += f":mpiprocs={tasks}"
@@ -144,6 +166,8 @@ def _pbs_directives(args: argparse.Namespace, script: str, run_dir: Path) -> dic
     if args.account:
         values["-A"] = args.account
     resources = {"-l select": select, "-l walltime": walltime}
+    if args.whole_node:
+        resources["-l place"] = "scatter:excl"
     return _directives("#PBS", values, " ") | _directives("#PBS", resources, "=")
 
 
@@ -162,7 +186,7 @@ def render(args: argparse.Namespace, flags: Sequence[str], run_dir: Path, target
             raise UserError(f"--{name.replace('_', '-')} must not be {getattr(args, name)}")
     text = (scripts_dir() / choices[script]).read_text()
     directives = _slurm_directives if args.system == "slurm" else _pbs_directives
-    text = set_directives(text, directives(args, script, run_dir))
+    text = set_directives(text, directives(args, script, run_dir, text))
     command = [args.launch_as, *flags, "--run-dir", str(run_dir)]
     env = args.env if args.env is not None else current_env()
     filled = [

@@ -16,7 +16,8 @@
 # Your project code (qsub fails without one on NCAR machines): qsub -A PROJECT, or edit.
 # #PBS -A PROJECT
 #PBS -q main
-# Nodes, and per node: CPU cores, GPUs, MPI ranks (one rank per GPU).
+# Nodes, and per node: CPU cores, GPUs, MPI ranks (one rank per GPU). Here two whole
+# Derecho GPU nodes: 64 cores and 4 A100s each, so 16 cores for each rank and its loader workers.
 #PBS -l select=2:ncpus=64:ngpus=4:mpiprocs=4
 #PBS -l walltime=01:00:00
 # stdout and stderr into one log.
