@@ -133,6 +133,16 @@ def test_mpirun(reference, tmp_path):
     assert_same_run(reference[0], run)
 
 
+def test_one_mpirun_rank_that_starts_two_workers(reference, tmp_path):
+    """``mpirun -np 1 ... --nprocs 2``: the rank starts the 2 workers, ranks 0 and 1."""
+    require("mpirun")
+    run = tmp_path / "run"
+    one = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np", "1"]
+    done = launch(one + DMLTRAIN + ARGS + ["--nprocs", "2"], run)
+    assert "2 process(es), launcher mpi, strategy ddp" in done.stdout + done.stderr
+    assert_same_run(reference[0], run)
+
+
 def test_fsdp(reference, tmp_path):
     run = tmp_path / "run"
     launch(DMLTRAIN + ARGS + ["--nprocs", "2", "--strategy", "fsdp"], run)

@@ -203,8 +203,30 @@ def test_nprocs_spawns_only_without_an_external_launcher():
     info = launch.detect(nprocs=3, env={})
     assert (info.launcher, info.world_size, info.rank) == ("spawn", 3, 0)
     assert [launch.spawned(info, r).rank for r in range(3)] == [0, 1, 2]
-    with pytest.raises(UserError, match="--nprocs starts workers itself"):
+    with pytest.raises(UserError, match="--nprocs starts workers itself; under torchrun"):
         launch.detect(nprocs=2, env={"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+
+
+def test_srun_tasks_that_each_start_workers():
+    """2 nodes x 2 tasks, --nprocs 8: each task starts 2 workers; ranks follow the tasks,
+    local ranks count across each node's tasks (what srun -N 2 -n 8 would give)."""
+    layout = {
+        "SLURM_NTASKS": "4",
+        "SLURM_STEP_NUM_TASKS": "4",
+        "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+    }
+    tasks = [launch.detect(nprocs=8, env=slurm_env(t, t // 2, t % 2, **layout)) for t in range(4)]
+    assert all(t.starts_workers and t.workers == 2 and t.world_size == 8 for t in tasks)
+    workers = [launch.spawned(t, i) for t in tasks for i in range(2)]
+    direct = [launch.detect(env=slurm_env(r, r // 4, r % 4)) for r in range(8)]
+    for field in ("rank", "local_rank", "world_size", "local_world_size", "node_rank",
+                  "master_addr", "master_port", "launcher"):  # fmt: skip
+        assert [getattr(w, field) for w in workers] == [getattr(d, field) for d in direct], field
+    assert not any(w.starts_workers for w in workers)
+    one = launch.detect(nprocs=4, env=slurm_env(0, 0, 0, **layout))  # a worker a task: as it is
+    assert not one.starts_workers and one.world_size == 4
+    with pytest.raises(UserError, match=r"--nprocs 6 with 4 slurm tasks: .* a multiple of 4"):
+        launch.detect(nprocs=6, env=slurm_env(0, 0, 0, **layout))
 
 
 def test_job_id_from_batch_systems():

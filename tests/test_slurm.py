@@ -226,6 +226,27 @@ def test_preempted_job_checkpoints_requeues_resumes_and_completes(slurm, tiny_re
     assert_same_run(tiny_reference, run)
 
 
+def test_a_task_that_starts_two_workers_is_preempted_requeues_and_ends_equal(
+    slurm, tiny_reference, tmp_path
+):
+    """One task of 2 CPUs that starts 2 workers (``srun dmltrain ... --nprocs 2``, as some
+    centres' guides write it): the same ranks as srun -n 2; scancel --signal=USR1 reaches
+    the task and its workers, which checkpoint; the job requeues and ends equal to the
+    uninterrupted run."""
+    options = ("--ntasks-per-node", "1", "--cpus-per-task", "2")
+    job = sbatch(tmp_path, *TINY, "--nprocs", "2", "--step-sleep", "0.4", options=options)
+    out = tmp_path / "job.out"
+    wait_for(lambda: out.exists() and "epoch 1/3 step 3/" in out.read_text(), 120, "training")
+    subprocess.run(["scancel", "--signal=USR1", job], check=True)
+    release_requeues_until_done(job, tmp_path)
+    log = out.read_text()
+    assert "2 process(es), launcher slurm, strategy ddp" in log, log[-3000:]
+    assert "preempted (SIGUSR1)" in log and "checkpoint saved, requeueing job" in log
+    assert "Exited with exit code" not in log, log[-3000:]
+    assert "dmltrain: resuming from" in log and job_field(job, "Restarts") == "1"
+    assert_same_run(tiny_reference, tmp_path / "runs" / f"tiny-{job}")
+
+
 def test_preempted_array_task_requeues_itself_not_the_array(slurm, tiny_reference, tmp_path):
     """Two array tasks (one at a time on this 2-CPU node); task 1 is preempted. Only task 1
     may be requeued: requeueing the array id would rerun the finished task 0 too."""

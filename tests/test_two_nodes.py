@@ -147,6 +147,26 @@ def test_chain_sh_and_submit_slurm_on_two_nodes(two_nodes, tiny_reference, tmp_p
     assert_same_run(tiny_reference, run)
 
 
+def test_a_task_a_node_that_starts_two_workers_equals_two_tasks_a_node(two_nodes, tmp_path):
+    """2 nodes x 1 task of 2 CPUs x --nprocs 4 (2 workers a task) against srun -N 2 -n 4:
+    the same ranks on the same hosts, so the same run, bit for bit."""
+    runs = {}
+    for shape, tasks, cpus, extra in (
+        ("tasks", "2", "1", []),
+        ("workers", "1", "2", ["--nprocs", "4"]),
+    ):
+        cwd = tmp_path / shape
+        cwd.mkdir()
+        options = (*NODES, "--ntasks-per-node", tasks, "--cpus-per-task", cpus)
+        job = sbatch(cwd, *TINY, *extra, options=options, env=two_nodes)
+        release_requeues_until_done(job, cwd, env=two_nodes)
+        log = (cwd / "job.out").read_text()
+        assert "4 process(es), launcher slurm, strategy ddp" in log, log[-3000:]
+        assert hosts_of(log).startswith("dmltrain: node1: cpu, cpu; node2: cpu, cpu"), log[-3000:]
+        runs[shape] = cwd / "runs" / f"tiny-{job}"
+    assert_same_run(runs["tasks"], runs["workers"])
+
+
 def test_prepare_data_runs_once_per_node(two_nodes, tmp_path):
     """Two ranks on each node: prepare_data runs on each node's local rank 0 only."""
     marker = tmp_path / "prepared"

@@ -15,6 +15,10 @@ With ``--launcher auto`` they are tried in this order, first match wins:
 5. ``spawn``     - ``--nprocs N`` with N > 1 and none of the above: this process starts N
    local workers itself;
 6. ``single``    - one process.
+
+Under ``srun`` or ``mpirun``, ``--nprocs N`` makes each of the T tasks start N / T workers
+(``srun -N 1 -n 1 python train.py --nprocs 2``, as some centres' guides write it): worker
+i of task t is rank t x N/T + i, and the local ranks count across the node's tasks.
 """
 
 import os
@@ -47,6 +51,8 @@ class DistInfo:
     device: str = "cpu"
     job_id: str | None = None
     spawned: bool = False  # a worker that a --nprocs parent started
+    # --nprocs: the workers this process starts (ranks rank .. rank + workers - 1)
+    workers: int = 1
     # torchrun's agent holds the rendezvous store at master_port (it said so): rank 0 joins
     # it instead of making one, under this attempt's prefix (its restart count)
     agent_store_attempt: int | None = None
@@ -54,7 +60,7 @@ class DistInfo:
     @property
     def starts_workers(self) -> bool:
         """Whether this process is a ``--nprocs`` parent: it starts the ranks and waits."""
-        return self.launcher == "spawn" and not self.spawned
+        return (self.launcher == "spawn" or self.workers > 1) and not self.spawned
 
     @property
     def is_main(self) -> bool:
@@ -411,12 +417,7 @@ def detect(launcher: str = "auto", nprocs: int = 1, env: Env | None = None) -> D
     else:
         info = None
     if info is not None:
-        if nprocs > 1:
-            raise UserError(
-                f"--nprocs starts workers itself; under {info.launcher} drop it and let "
-                "the launcher start the processes"
-            )
-        return info
+        return info if nprocs <= 1 else _tasks_start_workers(info, nprocs)
     if launcher == "spawn" or (launcher == "auto" and nprocs > 1):
         return replace(
             single_process(env),
@@ -424,8 +425,36 @@ def detect(launcher: str = "auto", nprocs: int = 1, env: Env | None = None) -> D
             world_size=nprocs,
             local_world_size=nprocs,
             master_port=int(env["MASTER_PORT"]) if env.get("MASTER_PORT") else free_port(),
+            workers=nprocs,
         )
     return single_process(env)
+
+
+def _tasks_start_workers(task: DistInfo, nprocs: int) -> DistInfo:
+    """``--nprocs N`` under srun or mpirun with T tasks: this task's view as the parent of
+    N / T workers (its first worker's rank; the job's world of N)."""
+    if task.launcher not in ("slurm", "mpi"):
+        raise UserError(
+            f"--nprocs starts workers itself; under {task.launcher} drop it and let "
+            "the launcher start the processes"
+        )
+    tasks = task.world_size
+    if nprocs % tasks:
+        raise UserError(
+            f"--nprocs {nprocs} with {tasks} {task.launcher} tasks: each task starts "
+            f"--nprocs / tasks workers, so give a multiple of {tasks}"
+        )
+    per = nprocs // tasks
+    if per == 1:
+        return task
+    return replace(
+        task,
+        rank=task.rank * per,
+        local_rank=task.local_rank * per,
+        world_size=nprocs,
+        local_world_size=task.local_world_size * per,
+        workers=per,
+    )
 
 
 def single_process(env: Env | None = None) -> DistInfo:
@@ -433,10 +462,17 @@ def single_process(env: Env | None = None) -> DistInfo:
     return DistInfo(device=default_device(0), job_id=job_id(env))
 
 
-def spawned(parent: DistInfo, local_rank: int) -> DistInfo:
-    """The ``DistInfo`` of worker ``local_rank`` started by a ``spawn`` parent."""
-    device = default_device(local_rank)
-    return replace(parent, rank=local_rank, local_rank=local_rank, device=device, spawned=True)
+def spawned(parent: DistInfo, index: int) -> DistInfo:
+    """The ``DistInfo`` of worker ``index`` (0-based) that ``parent`` started."""
+    local_rank = parent.local_rank + index
+    return replace(
+        parent,
+        rank=parent.rank + index,
+        local_rank=local_rank,
+        device=default_device(local_rank),
+        spawned=True,
+        workers=1,
+    )
 
 
 def enable_flight_recorder(env: MutableMapping[str, str] | None = None) -> None:

@@ -34,12 +34,14 @@ def spawn(
     args: tuple,
     forward: list[str],
     start_method: str = "spawn",
+    first_rank: int = 0,
 ) -> None:
     """Run ``fn(local_rank, *args)`` in ``nprocs`` processes (fresh ones, or forks of this
     one: ``start_method``) and wait for all.
 
     When one fails, torch.multiprocessing stops the others; the failure is re-raised as
-    ``RankFailed`` naming the rank that failed first. While waiting, the signals named in
+    ``RankFailed`` naming the rank that failed first (worker i is rank ``first_rank`` + i).
+    While waiting, the signals named in
     ``forward`` that reach this parent are sent on to the workers, so a preemption signal
     that reaches only the parent still checkpoints the run. A worker gets such a signal
     once it catches it: while it still imports torch, the signal would kill it.
@@ -78,18 +80,18 @@ def spawn(
             ) from None
         if exc.signal_name:  # killed from outside (the OOM killer, kill -9): a lost peer
             raise RankFailed(
-                f"rank {exc.error_index} was killed by {exc.signal_name}; the other ranks were "
-                "stopped, the checkpoints are intact: run the same command to resume (exit "
-                f"status {EXIT_PEER_LOST})",
+                f"rank {first_rank + exc.error_index} was killed by {exc.signal_name}; the "
+                "other ranks were stopped, the checkpoints are intact: run the same command "
+                f"to resume (exit status {EXIT_PEER_LOST})",
                 EXIT_PEER_LOST,
             ) from None
         raise RankFailed(
-            f"rank {exc.error_index} failed first (exit code {exc.exit_code}); the other "
-            "ranks were stopped",
+            f"rank {first_rank + exc.error_index} failed first (exit code {exc.exit_code}); "
+            "the other ranks were stopped",
             exc.exit_code if exc.exit_code and exc.exit_code > 0 else 1,
         ) from None
     except mp.ProcessRaisedException as exc:
-        raise RankFailed(f"rank {exc.error_index} failed first: {exc}", 1) from None
+        raise RankFailed(f"rank {first_rank + exc.error_index} failed first: {exc}", 1) from None
     finally:
         watcher.restore()
 
@@ -101,11 +103,12 @@ def spawn_fits(trainer_cls: type, name: str, config: Any, options: Any, parent: 
     signals = config.preemption.signal_names()
     method = start_method_for(trainer_cls)
     spawn(
-        parent.world_size,
+        parent.workers,
         _fit,
         (trainer_cls, name, config, options, parent, signals),
         signals,
         method,
+        parent.rank,
     )
 
 
