@@ -50,6 +50,7 @@ QUICK = (
     "test_callback.py",
     "test_config.py",
     "test_data.py",
+    "test_docs.py",
     "test_errors.py",
     "test_features.py",
     "test_launch.py",
@@ -57,6 +58,7 @@ QUICK = (
     "test_packaging.py",
     "test_mnist_data.py",
     "test_peers.py",
+    "test_preflight.py",
     "test_progress.py",
     "test_schedules.py",
     "test_trainer.py",
@@ -114,6 +116,9 @@ QUICK = (
     "test_watchdog.py::test_a_hang_no_collective_ends_stops_the_run_itself",
     "test_threads.py::test_the_share_of_the_cores",
     "test_threads.py::test_auto_workers_come_from_the_same_share",
+    "test_threads.py::test_gpu_processes_with_one_cpu_each_are_warned_of",
+    "test_submit.py::test_pbs_asks_four_cpus_a_process_or_the_whole_node",
+    "test_sweep_submit.py::test_an_experiment_file_started_as_a_script_sweeps_here",
 )
 
 

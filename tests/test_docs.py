@@ -11,8 +11,6 @@ from helpers import ROOT, readme_experiment
 
 from dmltrain import cli
 
-pytestmark = pytest.mark.quick
-
 DOCS = ROOT / "docs"
 PAGES = sorted(DOCS.glob("*.md"))
 SPAN = re.compile(r"`([^`\n]+)`")

@@ -2,13 +2,10 @@
 GPU of its own. The shapes Slurm makes (no GPU here: the devices each task sees are
 given, and each rank picks its device as ``launch.default_device`` does)."""
 
-import pytest
 import torch
 
 from dmltrain.runtime import preflight
 from dmltrain.runtime.launch import default_device
-
-pytestmark = pytest.mark.quick
 
 
 def ranks(visible: list[list[str]], monkeypatch, host: str = "node1") -> list[dict]:
