@@ -37,6 +37,42 @@ EXIT_REQUEUE = 3  # "checkpoint saved, more to do": slurm/run.sh requeues the jo
 EXIT_NONFINITE = 4  # stopped on a NaN/Inf (--check-nans --on-nan raise); checkpoints kept
 EXIT_PEER_LOST = 5  # another rank or host was lost; the checkpoints are intact: resume
 
+# Every exit status of the command: (what it means, what the batch scripts do on it).
+# docs/reference.md is written from this table (docs/make_reference.py).
+EXIT_STATUSES: dict[int, tuple[str, str]] = {
+    0: ("done", "end the job"),
+    1: (
+        "a failure in the code: the failing rank prints its traceback, every other rank one "
+        "line naming it",
+        "end the job, no requeue: the same code would fail again",
+    ),
+    2: (
+        "bad input (a flag, config file, data, checkpoint, a run directory in use or whose "
+        "checkpoints do not load): one line, nothing in the run directory changed",
+        "end the job",
+    ),
+    EXIT_REQUEUE: (
+        "a checkpoint was saved and there is more to do (preemption, time limit, "
+        "--epochs-per-job); ranks started by a launcher exit 0 instead when --status-file "
+        "holds it",
+        "requeue (Slurm) or resubmit (PBS); in a chain.sh chain the next job goes on",
+    ),
+    EXIT_NONFINITE: (
+        "stopped on a NaN or Inf (--check-nans --on-nan raise); the checkpoints are kept",
+        "end the job",
+    ),
+    EXIT_PEER_LOST: (
+        "another rank or node was lost; the checkpoints are intact: run the same command to resume",
+        "requeue, up to DMLTRAIN_MAX_LOST_REQUEUES (3) times in a row with no checkpoint "
+        "saved in between, then end the job with 5",
+    ),
+    130: (
+        "interrupted (Ctrl-C) while starting, before the run catches signals; after that, "
+        "Ctrl-C is a preemption (3)",
+        "end the job",
+    ),
+}
+
 
 class StopForRequeue(OneLine):
     """A checkpoint was saved and the run must continue in a later job (exit status 3)."""

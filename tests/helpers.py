@@ -27,7 +27,7 @@ def readme_experiment(folder: Path) -> Path:
     """The README's complete experiment (experiment ``line``), written to
     ``folder/my_experiment.py`` as a user would save it: a file, not an installed package."""
     readme = (ROOT / "README.md").read_text()
-    part = readme.split("## Writing your own experiment", 1)[1]
+    part = readme.split("## A complete experiment", 1)[1]
     path = folder / "my_experiment.py"
     path.write_text(re.search(r"```python\n(.*?)```", part, re.S).group(1))
     return path

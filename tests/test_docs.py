@@ -1,92 +1,223 @@
-"""The pages under docs/ say only what runs: every dmltrain command line on a page parses as
-the command would parse it (``--print-config``; ``submit`` writes its script with
-``--dry-run``), every flag a page names exists, and every YAML block loads as ``--config``."""
+"""README.md and docs/ say only what runs: every dmltrain command line they show parses as
+the command would parse it (``--print-config``; ``submit`` and ``sweep`` write their
+scripts with ``--dry-run``), every flag a page names exists, every YAML block loads as
+``--config``, every Python example is one that tests/test_readme.py runs, the generated
+reference is in sync with the code, and every link between pages resolves."""
 
 import re
 import shlex
+import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, readme_experiment
+from helpers import ROOT, readme_experiment, run_cli
 
 from dmltrain import cli
+from dmltrain.hooks import TrainerHooks
+from dmltrain.records.rundir import FILES
 
 DOCS = ROOT / "docs"
-PAGES = sorted(DOCS.glob("*.md"))
+PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+IDS = [page.name for page in PAGES]
 SPAN = re.compile(r"`([^`\n]+)`")
-YAML = re.compile(r"```yaml\n(.*?)```", re.S)
+FENCE = re.compile(r"```(\w*)\n(.*?)```", re.S)
+HEREDOC = re.compile(r"cat > (\S+) <<'EOF'\n(.*?)\nEOF", re.S)
+PLACEHOLDER = re.compile(r"[A-Z][A-Z_]+(\.py)?")  # EXPERIMENT, RUN_DIR, FILE.py
+# The batch systems' own flags, which the pages name beside dmltrain's.
+BATCH_FLAGS = {"--nodes", "--ntasks-per-node", "--gpus-per-task", "--gpus-per-node", "--ppn",
+               "--cpus-per-task", "--signal", "--open-mode", "--requeue", "--exclusive",
+               "--dependency", "--array", "--mpi", "--partition"}  # fmt: skip
+
+# Every Python block of the pages: the test that runs it (tests/test_readme.py).
+EXAMPLES = {
+    ("README.md", "## A complete experiment"): "helpers.readme_experiment, in every test of it",
+    ("experiments.md", "## Metrics over the whole validation set, and images"):
+        "test_the_metrics_example_logs_the_whole_sets_rmse_and_a_figure",
+    ("extending.md", "## Callbacks"): "test_the_callback_example_logs_and_checkpoints_its_state",
+    ("extending.md", "## Several models and optimizers (a GAN)"):
+        "test_the_manual_step_shown_is_the_bundled_gans",
+    ("extending.md", "## A tracker of your own"):
+        "test_the_tracker_example_is_named_by_its_entry_point",
+    ("launching.md", "## From a notebook to a cluster"):
+        "test_the_notebook_example_trains_on_two_processes",
+}  # fmt: skip
 
 
 def command_lines(text: str) -> list[list[str]]:
-    """The dmltrain arguments of each code span that runs dmltrain: ``dmltrain ARGS``,
-    a batch script of slurm/ with ARGS, or ``DMLTRAIN_ARGS="ARGS"``."""
+    """The dmltrain arguments of each command a page shows, in its shell blocks and its
+    code spans: ``dmltrain ARGS``, ``python FILE.py NAME ARGS``, a batch script of slurm/
+    with ARGS, ``DMLTRAIN_ARGS="ARGS"``."""
     found = []
-    for span in SPAN.findall(text):
-        try:
-            words = shlex.split(span)
-        except ValueError:
-            continue  # not a command line (Python, a fragment)
-        given = [w.split("=", 1)[1] for w in words if w.startswith("DMLTRAIN_ARGS=")]
-        scripts = [i for i, w in enumerate(words) if w.startswith("slurm/") and w.endswith(".sh")]
-        if given:
-            found.append(shlex.split(given[0]))
-        elif "dmltrain" in words[:-1]:  # the bare word is the command's name in a sentence
-            found.append(words[words.index("dmltrain") + 1 :])
-        elif scripts:
-            found.append(words[scripts[0] + 1 :])
+    shell = [body for lang, body in FENCE.findall(text) if lang in ("bash", "sh", "")]
+    snippets = [line for body in shell for line in body.replace("\\\n", " ").splitlines()]
+    for snippet in snippets + SPAN.findall(text):
+        for part in snippet.split("&&"):
+            try:
+                words = shlex.split(part, comments=True)
+            except ValueError:
+                continue  # not a command line (Python, a fragment)
+            args = _dmltrain_args(words)
+            if args:
+                found.append(args)
     return found
 
 
+def _dmltrain_args(words: list[str]) -> list[str] | None:
+    if any(w == "..." or PLACEHOLDER.fullmatch(w) for w in words):
+        return None  # a pattern (dmltrain submit pbs ..., dmltrain EXPERIMENT --help)
+    given = [w.split("=", 1)[1] for w in words if w.startswith("DMLTRAIN_ARGS=")]
+    if given:
+        return shlex.split(given[0])
+    if "dmltrain" in words[:-1]:  # the bare word is the command's name in a sentence
+        return words[words.index("dmltrain") + 1 :]
+    if words[:2] == ["python", "my_experiment.py"]:
+        return [words[1], *words[3:]]  # python FILE.py NAME ARGS (the README's file)
+    scripts = [i for i, w in enumerate(words) if w.startswith("slurm/") and w.endswith(".sh")]
+    if scripts:
+        args = words[scripts[0] + 1 :]
+        return args[1:] if words[scripts[0]].endswith("chain.sh") else args  # JOBS first
+    return None
+
+
 @pytest.fixture
-def line(tmp_path, monkeypatch):
-    """The README's experiment as my_experiment.py in the current directory (imported
-    afresh: another test's my_experiment.py may be loaded already)."""
+def here(tmp_path, monkeypatch):
+    """A folder with the README's experiment as my_experiment.py, the current directory
+    (imported afresh: another test's my_experiment.py may be loaded already)."""
     readme_experiment(tmp_path)
     monkeypatch.chdir(tmp_path)
     monkeypatch.delitem(sys.modules, "my_experiment", raising=False)
     monkeypatch.setattr(sys, "path", list(sys.path))
-    return cli.experiment_file(tmp_path / "my_experiment.py")
+    return tmp_path
+
+
+def check_command(args: list[str], known: dict) -> None:
+    """Parse ``dmltrain ARGS`` as the command would, writing nothing but --dry-run scripts."""
+    if args[0] in cli.TOOLS and len(args) < {"submit": 3}.get(args[0], 2):
+        return  # it names the tool in a sentence (dmltrain plot, dmltrain submit pbs)
+    if args[0] in ("submit", "sweep") and args[1] not in ("status", "task"):
+        assert cli.main([*args, "--dry-run"]) == 0
+    elif args[0] in cli.TOOLS:
+        parse = cli.build_parser(known).parse_known_args if args[0] == "sweep" else None
+        (parse or cli.build_parser(known).parse_args)(args)  # exits 2 on a bad argument
+    else:
+        assert cli.main([*args, "--print-config"]) == 0
+
+
+@pytest.mark.parametrize("page", PAGES, ids=IDS)
+def test_every_command_line_of_a_page_parses(page, here, capsys):
+    text = page.read_text()
+    for name, body in HEREDOC.findall(text):  # files a page makes for its commands
+        (here / name).write_text(body + "\n")
+    for lang, body in FENCE.findall(text):  # the page's config file, as its commands name it
+        if lang == "yaml" and "cat >" not in body:
+            (here / "my_experiment.yml").write_text(body)
+            assert cli.main(["my_experiment.py", "--config", "my_experiment.yml",
+                             "--print-config"]) == 0  # fmt: skip
+    known = {**cli.discover_experiments(), "line": cli.experiment_file(here / "my_experiment.py")}
+    for args in command_lines(text):
+        try:
+            check_command(args, known)
+        except (AssertionError, SystemExit) as exc:
+            raise AssertionError(
+                f"{page.name}: dmltrain {shlex.join(args)}: {capsys.readouterr().err}"
+            ) from exc
 
 
 def flag_names(line: cli.Experiment) -> set[str]:
     """Every flag of an experiment's command (mnist's, and the README experiment's own
-    options) and of ``dmltrain submit``."""
-    names: set[str] = set()
-    experiments = {**cli.discover_experiments(), "line": line}
-    parser = cli.build_parser(experiments)
+    options) and of the tools."""
+    parser = cli.build_parser({**cli.discover_experiments(), "line": line})
     commands = next(a for a in parser._actions if hasattr(a, "choices") and a.choices)
-    for name in ("mnist", "line", "submit"):
-        for action in commands.choices[name]._actions:
-            names.update(s for s in action.option_strings if s.startswith("--"))
-    return names
-
-
-def test_there_are_pages_and_they_run_dmltrain():
-    assert PAGES and all(command_lines(page.read_text()) for page in PAGES)
-
-
-@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
-def test_every_command_line_of_a_page_parses(page, line, tmp_path, capsys):
-    text = page.read_text()
-    for block in YAML.findall(text):  # the page's config file, as its commands name it
-        (tmp_path / "my_experiment.yml").write_text(block)
-        assert (
-            cli.main(["my_experiment.py", "--config", "my_experiment.yml", "--print-config"]) == 0
-        )
-    for args in command_lines(text):
-        extra = ["--dry-run"] if args[:1] == ["submit"] else ["--print-config"]
-        status = cli.main([*args, *extra])
-        assert status == 0, f"{page.name}: dmltrain {shlex.join(args)}: {capsys.readouterr().err}"
-
-
-@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
-def test_every_flag_a_page_names_exists(page, line):
-    known = flag_names(line)
-    named = {
-        word.split("=", 1)[0]
-        for span in SPAN.findall(page.read_text())
-        if span.startswith("--")
-        for word in span.split()
-        if word.startswith("--")
+    return {
+        string
+        for name in ("mnist", "line", *cli.TOOLS)
+        for action in commands.choices[name]._actions
+        for string in action.option_strings
+        if string.startswith("--")
     }
-    assert named and not named - known, f"{page.name} names unknown flags: {named - known}"
+
+
+def test_every_flag_the_pages_name_exists(here):
+    known = flag_names(cli.experiment_file(here / "my_experiment.py")) | BATCH_FLAGS
+    for page in PAGES:
+        named = {
+            word.split("=", 1)[0].rstrip(",")
+            for span in SPAN.findall(page.read_text())
+            for word in span.split()
+            if span.startswith("--") and word.startswith("--") and "*" not in word
+        } - {"--x", "--no-x"}  # the reference's example of a pair
+        assert not named - known, f"{page.name} names flags that do not exist: {named - known}"
+
+
+def test_every_python_example_is_run_by_a_test():
+    shown = set()
+    for page in PAGES:
+        heading = ""
+        for line_or_block in re.split(r"(```\w*\n.*?```)", page.read_text(), flags=re.S):
+            if line_or_block.startswith("```python"):
+                shown.add((page.name, heading))
+            else:
+                headings = re.findall(r"^(#{2,3} .+)$", line_or_block, re.M)
+                heading = headings[-1] if headings else heading
+    assert shown == set(EXAMPLES), shown ^ set(EXAMPLES)
+    tests = (ROOT / "tests" / "test_readme.py").read_text()
+    for runner in EXAMPLES.values():
+        assert runner.startswith("helpers.") or f"def {runner}(" in tests, runner
+
+
+def test_the_reference_is_written_from_the_code():
+    done = subprocess.run([sys.executable, str(DOCS / "make_reference.py"), "--check"],
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+
+
+def test_the_reference_names_every_variable_of_the_batch_scripts():
+    sys.path.insert(0, str(DOCS))
+    try:
+        from make_reference import ENVIRONMENT
+    finally:
+        sys.path.remove(str(DOCS))
+    scripts = [*(ROOT / "slurm").rglob("*.sh"), *(ROOT / "environment").glob("*.sh")]
+    used = {name for path in scripts for name in re.findall(r"DMLTRAIN_[A-Z_]+", path.read_text())}
+    assert used == set(ENVIRONMENT)
+
+
+def test_the_reference_names_every_entry_of_a_run_directory(tmp_path):
+    run = tmp_path / "run"
+    done = run_cli("tiny", "--epochs", "1", "--nprocs", "2", "--tracker", "tensorboard",
+                   "--run-dir", str(run), cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    entries = {p.name + ("/" if p.is_dir() else "") for p in run.iterdir()}
+    assert entries <= set(FILES), entries - set(FILES)
+    assert {"config.yaml", "outcome.json", "checkpoints/", "tensorboard/", "ranks.csv"} <= entries
+
+
+def test_the_methods_table_names_every_method_a_subclass_may_write():
+    table = (DOCS / "experiments.md").read_text().split("## What a subclass writes", 1)[1]
+    table = table.split("\n## ", 1)[0]
+    hooks = [n for n in vars(TrainerHooks) if not n.startswith("_") and n not in ("config",)]
+    missing = [name for name in hooks if f"`{name}" not in table]
+    assert not missing, missing
+
+
+def test_every_test_the_guarantees_cite_exists():
+    cited = re.findall(r"`(tests/test_\w+\.py)::(test_\w+)`", (DOCS / "guarantees.md").read_text())
+    assert len(cited) > 20
+    for path, name in cited:
+        assert f"def {name}(" in (ROOT / path).read_text(), f"{path}::{name}"
+
+
+def test_every_link_between_pages_resolves():
+    def anchors(text: str) -> set[str]:
+        titles = re.findall(r"^#+ (.+)$", text, re.M)
+        return {re.sub(r"[^\w\- ]", "", t.lower()).replace(" ", "-") for t in titles}
+
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if target.startswith(("http://", "https://")):
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            assert linked.exists(), f"{page.name}: {target}"
+            if anchor and linked.suffix == ".md":
+                assert anchor in anchors(linked.read_text()), f"{page.name}: {target}"

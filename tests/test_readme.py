@@ -1,4 +1,5 @@
-"""The README's commands and its experiment example work as written."""
+"""The README's commands and the Python examples of README.md and docs/ work as written
+(tests/test_docs.py holds every example of the docs to one of these)."""
 
 import re
 import subprocess
@@ -74,8 +75,9 @@ def test_example_runs_from_a_notebook(tmp_path, monkeypatch):
     assert rows[-1]["val_loss"] < 0.02
 
 
-def _block(heading: str, lang: str = "python") -> str:
-    part = README.split(heading, 1)[1]
+def block(page: str, heading: str, lang: str = "python") -> str:
+    """The first ``lang`` code block under ``heading`` of ``docs/<page>``."""
+    part = (ROOT / "docs" / page).read_text().split(heading + "\n", 1)[1]
     return re.search(rf"```{lang}\n(.*?)```", part, re.S).group(1)
 
 
@@ -85,7 +87,7 @@ def test_the_callback_example_logs_and_checkpoints_its_state(tmp_path):
     from dmltrain.checkpoint.storage import load_file
 
     readme_experiment(tmp_path)
-    (tmp_path / "my_callbacks.py").write_text(_block("### Callbacks"))
+    (tmp_path / "my_callbacks.py").write_text(block("extending.md", "## Callbacks"))
     run = tmp_path / "run"
     done = subprocess.run(
         [sys.executable, "my_callbacks.py", "line-monitored", "--epochs", "2", "--batch-size",
@@ -106,7 +108,9 @@ def test_the_metrics_example_logs_the_whole_sets_rmse_and_a_figure(tmp_path):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     readme_experiment(tmp_path)
-    (tmp_path / "my_metrics.py").write_text(_block("### Metrics over the whole validation set"))
+    (tmp_path / "my_metrics.py").write_text(
+        block("experiments.md", "## Metrics over the whole validation set, and images")
+    )
     run = tmp_path / "run"
     done = subprocess.run(
         [sys.executable, "my_metrics.py", "measured-line", "--epochs", "2", "--batch-size",
@@ -122,17 +126,17 @@ def test_the_metrics_example_logs_the_whole_sets_rmse_and_a_figure(tmp_path):
 
 
 def test_the_manual_step_shown_is_the_bundled_gans():
-    shown = _block("### Several models and optimizers (a GAN)")
+    shown = block("extending.md", "## Several models and optimizers (a GAN)")
     assert shown in (ROOT / "experiments" / "mnist_gan.py").read_text()
 
 
 def test_the_tracker_example_is_named_by_its_entry_point(tmp_path):
     readme_experiment(tmp_path)
-    (tmp_path / "my_tracker.py").write_text(_block("### A tracker of your own"))
+    (tmp_path / "my_tracker.py").write_text(block("extending.md", "## A tracker of your own"))
     info = tmp_path / "my_tracker-0.dist-info"  # what pip writes for the README's entry point
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: my-tracker\nVersion: 0\n")
-    points = _block("### A tracker of your own", "ini").split("\n", 1)[1]
+    points = block("extending.md", "## A tracker of your own", "ini").split("\n", 1)[1]
     (info / "entry_points.txt").write_text(
         points.replace("dmltrain.trackers =", "[dmltrain.trackers]")
     )
@@ -148,3 +152,16 @@ def test_the_tracker_example_is_named_by_its_entry_point(tmp_path):
     assert "printer: 7 ['train/data_wait', 'train/loss', 'train/lr'," in done.stdout  # steps
     assert "'train_loss', 'val_loss', 'world_size']" in done.stdout  # the epoch's row
     assert "printer: finished (preempted: False)" in done.stdout
+
+
+def test_the_notebook_example_trains_on_two_processes(tmp_path):
+    """docs/launching.md's cell beside the README's my_experiment.py, run as a kernel runs
+    a cell: in a __main__ with no file (python -c), which spawned workers do not import."""
+    readme_experiment(tmp_path)
+    cell = block("launching.md", "## From a notebook to a cluster")
+    cell += "print(len(rows), int(rows[-1]['world_size']))\n"
+    done = subprocess.run([sys.executable, "-c", cell], cwd=tmp_path, env=cli_env(),
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "2 2"
+    assert (tmp_path / "runs" / "line" / "checkpoints" / "latest.pt").is_file()

@@ -127,3 +127,11 @@ def test_a_local_sweep_runs_each_trial_and_status_names_a_failure_and_the_best(t
     assert lines[-1].startswith("dmltrain sweep: best trial 0 (val_loss ")
     outcome = json.loads((tmp_path / "runs" / "s" / "trial-1" / "outcome.json").read_text())
     assert outcome["status"] == "failed" and outcome["global_step"] == 1
+
+
+@pytest.mark.parametrize("args", [[], ["runs/s", "zero", "2"]])
+def test_a_task_command_without_its_arguments_is_one_line(tmp_path, args):
+    done = run_cli("sweep", "task", *args, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.startswith("dmltrain: error: dmltrain sweep task DIR K T runs array task")
+    assert "Traceback" not in done.stderr

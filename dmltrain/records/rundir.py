@@ -24,6 +24,35 @@ from dmltrain.runtime import diagnostics
 
 OUTCOME = "outcome.json"  # how the run's last job ended (write_outcome)
 
+# What a run directory may hold, each entry's meaning (docs/reference.md is written from
+# this; a test holds a real run's entries to it).
+FILES: dict[str, str] = {
+    "config.yaml": "the resolved options (a valid --config file for a new run), and what "
+    "was built (optimizers, schedulers) as comments",
+    "diagnostics.json": "hosts, devices, versions, git commit, command, config, environment",
+    OUTCOME: "how the run's last job ended: status, global step, error",
+    "training_log.csv": "a row per validation: epoch, step, train_loss, val_* metrics, lr, "
+    "world_size, epoch_time_s",
+    "steps.csv": "step scalars every --log-every steps (loss, steps_per_s, data_wait, "
+    "samples_per_s, lr, ...)",
+    "ranks.csv": "with 2 or more processes: each rank's time a step, data wait and train_step",
+    "checkpoints/": "ckpt-<epoch>-<global step>.pt, latest.pt, best.pt (.dcp folders when sharded)",
+    "tensorboard/": "with --tracker tensorboard",
+    "wandb/": "with --tracker wandb",
+    "mlflow/": "with --tracker mlflow: the journal of what was sent (journal.jsonl, runs.json)",
+    "profile/": "with --profile-steps: the torch profiler's traces; memory-rank-N.pickle "
+    "with --memory-snapshot",
+    "hang/": "after a hang: rank-N.txt (where each rank was, its stacks) and report.txt",
+    "nan_report.txt": "when --check-nans found a NaN or Inf",
+    "eval_metrics.json": "from --evaluate CKPT: the val_* and test_* metrics",
+    "predictions/": "from --predict CKPT: rank-N.pt and predictions.pt (in dataset order)",
+    "training_curves.png": "after dmltrain plot RUN_DIR",
+    "submit-slurm.sh": "from dmltrain submit slurm: the batch script (submit it again to go on)",
+    "submit-pbs.sh": "from dmltrain submit pbs: the batch script",
+    "slurm-<job>.out": "the output of a job dmltrain submit slurm started",
+    "pbs.out": "the output of a job dmltrain submit pbs started",
+}
+
 
 def default_path(name: str, job_id: str | None) -> str:
     """``runs/<experiment>-<job id>`` (the same for every job of a requeued run), else

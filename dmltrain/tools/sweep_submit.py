@@ -230,7 +230,13 @@ def task_command(argv: list[str]) -> int:
     threads). A signal to this process (Slurm's USR1 before the time limit, scancel) is
     passed on to every trial. Exit status 3 when a trial stopped to go on (the batch
     script requeues the task; its done trials are not run again), else the first failure's."""
-    directory, task, per_task = Path(argv[0]), int(argv[1]), int(argv[2])
+    try:
+        directory, task, per_task = Path(argv[0]), int(argv[1]), int(argv[2])
+    except (IndexError, ValueError):
+        raise UserError(
+            "dmltrain sweep task DIR K T runs array task K's T trials of the sweep in DIR "
+            "(the batch script dmltrain sweep wrote runs it): give all three"
+        ) from None
     # what the batch script adds (--no-requeue); its --status-file is the task's to write
     extra, status_file = _without_status_file(argv[3:])
     sweep = Sweep(directory)
