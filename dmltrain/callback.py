@@ -19,13 +19,11 @@ global generators (``torch``, ``numpy``, ``random``): use a ``torch.Generator`` 
 """
 
 from collections.abc import Callable, Iterable, Mapping
-from importlib import metadata
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
+from dmltrain import plugins
 from dmltrain.errors import UserError, first_line
-
-GROUP = "dmltrain.callbacks"  # the entry-point group of installed callbacks (--callbacks)
 
 
 @runtime_checkable
@@ -123,22 +121,17 @@ def _listeners(callbacks: list[Callback], name: str) -> tuple[Callable[..., None
     return tuple(getattr(c, name) for c in callbacks if getattr(type(c), name, base) is not base)
 
 
-def installed() -> dict[str, metadata.EntryPoint]:
-    """The callbacks installed under the entry-point group ``dmltrain.callbacks``."""
-    return {ep.name: ep for ep in metadata.entry_points(group=GROUP)}
-
-
 def create(own: Iterable[Any], names: Iterable[str]) -> list[Callback]:
     """The experiment's callbacks (``create_callbacks()``), then the installed ones named
     (``--callbacks``), each checked to be a ``Callback``."""
     made = list(own)
-    found = installed() if names else {}
+    found = plugins.installed(plugins.CALLBACKS) if names else {}
     for name in names:
         if name not in found:
             have = ", ".join(sorted(found)) or "none"
             raise UserError(
                 f"--callbacks: no callback named {name!r} is installed under the entry-point "
-                f"group {GROUP} (installed: {have})"
+                f"group {plugins.CALLBACKS} (installed: {have})"
             )
         try:
             made.append(found[name].load()())

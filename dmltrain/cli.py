@@ -15,7 +15,6 @@ import argparse
 import dataclasses
 import gc
 import importlib
-import importlib.metadata
 import os
 import sys
 import traceback
@@ -28,6 +27,7 @@ from typing import Any, NoReturn
 
 import argparse_dataclass
 
+from dmltrain import plugins
 from dmltrain.config import SECTIONS, TrainConfig, field_names, load_config_file, to_yaml
 from dmltrain.errors import (
     EXIT_PEER_LOST,
@@ -39,8 +39,6 @@ from dmltrain.errors import (
 from dmltrain.records.files import NotWritten, status_record, write_atomic
 from dmltrain.runtime import processes
 from dmltrain.trainer import BaseTrainer
-
-ENTRY_POINT_GROUP = "dmltrain.experiments"
 
 
 def _consolidate(args: argparse.Namespace) -> int:
@@ -204,7 +202,7 @@ def register_experiment(
 def discover_experiments() -> dict[str, Experiment]:
     """Experiments advertised by installed packages; a broken one is reported and skipped."""
     found = {}
-    for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+    for entry in plugins.installed(plugins.EXPERIMENTS).values():
         try:
             experiment = entry.load()
         except Exception as exc:

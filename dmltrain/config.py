@@ -19,12 +19,12 @@ import signal
 import types
 import typing
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
+from dmltrain import plugins
 from dmltrain.errors import ConfigError, first_line
 from dmltrain.runtime.preemption import AGREEMENT_MOST_SECONDS, AGREEMENT_SHARE
 from dmltrain.runtime.threads import MAX_AUTO_WORKERS
@@ -105,7 +105,7 @@ class LoopConfig:
     callbacks: str = field(
         default="",
         metadata={
-            "help": "comma-separated installed callbacks (entry-point group dmltrain.callbacks) "
+            "help": f"comma-separated installed callbacks (entry-point group {plugins.CALLBACKS}) "
             "added after the experiment's create_callbacks()"
         },
     )
@@ -474,7 +474,7 @@ class TrackingConfig:
         metadata={
             "help": "comma-separated trackers: wandb (as --wandb-mode says), tensorboard "
             "(RUN_DIR/tensorboard), mlflow (the store MLFLOW_TRACKING_URI names), or another "
-            "installed (entry-point group dmltrain.trackers); '' for none"
+            f"installed (entry-point group {plugins.TRACKERS}); '' for none"
         },
     )
     tensorboard: bool = field(
@@ -519,14 +519,14 @@ class TrackingConfig:
     def __post_init__(self) -> None:
         check(self.wandb_init_timeout > 0, "--wandb-init-timeout must be positive")
         unknown = set(self.trackers()) - {"wandb", "tensorboard"}
-        if unknown:  # installed ones (entry-point group dmltrain.trackers) are looked up
-            have = {ep.name for ep in metadata.entry_points(group="dmltrain.trackers")}
+        if unknown:  # installed ones are looked up
+            have = set(plugins.installed(plugins.TRACKERS))
             unknown -= have
             choose = ", ".join(["wandb", "tensorboard", *sorted(have)])
             check(
                 not unknown,
                 f"--tracker: unknown {', '.join(sorted(unknown))}; choose from {choose} (or "
-                "install one under the entry-point group dmltrain.trackers)",
+                f"install one under the entry-point group {plugins.TRACKERS})",
             )
 
     def trackers(self) -> list[str]:

@@ -28,14 +28,12 @@ checkpoint's step, so the curves continue without doubled steps.
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from dmltrain import plugins
 from dmltrain.config import TrackingConfig
 from dmltrain.errors import first_line
-
-GROUP = "dmltrain.trackers"  # the entry-point group of installed trackers (--tracker NAME)
 
 
 class Tracker:
@@ -239,11 +237,6 @@ BUILT_IN: dict[str, Callable[[TrackerStart], Tracker]] = {
 }
 
 
-def installed() -> dict[str, Any]:
-    """The trackers installed under the entry-point group ``dmltrain.trackers``, by name."""
-    return {ep.name: ep for ep in metadata.entry_points(group=GROUP)}
-
-
 def create_trackers(
     settings: TrackingConfig,
     env_mode: str | None,
@@ -262,7 +255,7 @@ def create_trackers(
         mode = env_mode if env_mode in ("disabled", "offline", "online") else "disabled"
     settings = dataclasses.replace(settings, wandb_mode=mode)  # type: ignore[arg-type]
     names = settings.trackers()
-    found = installed() if set(names) - set(BUILT_IN) else {}
+    found = plugins.installed(plugins.TRACKERS) if set(names) - set(BUILT_IN) else {}
     made: dict[str, Tracker] = {}
     for name in names:
         start = TrackerStart(
