@@ -83,3 +83,14 @@ def run_exit_handlers() -> Any:
     """The exit handlers without the interpreter's teardown (``atexit._run_exitfuncs``):
     no public call runs them alone; a handler's error is printed and the others run."""
     return atexit._run_exitfuncs()
+
+
+def stop_loader_workers(loader: Any) -> None:
+    """End a DataLoader's persistent workers now, while CUDA and the process group are
+    still up, rather than in torch's exit handler or ``__del__`` (``_iterator`` and
+    ``_shutdown_workers`` are private; Lightning stops its loaders the same way)."""
+    iterator = getattr(loader, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()
+    if iterator is not None:
+        loader._iterator = None

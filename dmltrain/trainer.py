@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dmltrain import compat
 from dmltrain.callback import Events
 from dmltrain.config import LoopConfig, TrainConfig, per_process_batch
 from dmltrain.data import samples
@@ -202,6 +203,8 @@ class BaseTrainer(TrainerSetup):
         finally:
             self._features.stop()
             self._watcher.restore()
+            for loader in (getattr(self, "train_loader", None), getattr(self, "val_loader", None)):
+                compat.stop_loader_workers(loader)
             if hasattr(self, "_checkpointer"):
                 self._checkpointer.close()  # never exit with a write half done
             if hasattr(self, "_run_dir_held"):

@@ -29,6 +29,7 @@ from helpers import (
     start_ranks,
 )
 
+from dmltrain.errors import UserError
 from dmltrain.records.training_log import read_training_log
 from dmltrain.runtime.launch import free_port
 from tiny import TinyOptions, TinyTrainer, tiny_data
@@ -239,6 +240,22 @@ def test_nccl_without_a_gpu_is_a_clear_error(tmp_path):
     assert done.returncode == 2 and "--backend nccl needs CUDA GPUs" in done.stderr
 
 
+def test_a_parent_starting_more_nccl_workers_than_its_gpus_is_refused_first(monkeypatch):
+    """The --nprocs parent refuses before any worker starts. The GPU count is mocked (no
+    GPU here); test_more_processes_than_gpus_is_a_clear_error runs it on one."""
+    from dmltrain.config import DistConfig
+    from dmltrain.runtime.distributed import create_strategy
+    from dmltrain.runtime.launch import DistInfo
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    parent = DistInfo(world_size=2, launcher="spawn", device="cuda:0", workers=2)
+    with pytest.raises(UserError, match="2 processes to start here and 1 GPU"):
+        create_strategy(parent, DistConfig())
+    task = DistInfo(world_size=4, launcher="slurm", device="cuda:0", workers=2)  # 2 tasks
+    with pytest.raises(UserError, match="start at most 1 here"):
+        create_strategy(task, DistConfig())
+
+
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -261,9 +278,9 @@ def test_nccl_on_gpus_matches_one_process(tmp_path, strategy):
 def test_more_processes_than_gpus_is_a_clear_error(tmp_path):
     n = str(torch.cuda.device_count() + 1)
     done = run_cli(*ARGS, "--nprocs", n, cwd=tmp_path, gpus=True)
-    assert done.returncode == 2
-    (line,) = done.stderr.strip().splitlines()
-    assert "NCCL needs one GPU per process" in line
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "NCCL needs one GPU per process" in lines[0], done.stderr
 
 
 @pytest.mark.gpu

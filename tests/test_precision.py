@@ -217,16 +217,19 @@ needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 
 @pytest.mark.gpu
 @needs_gpu
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 @pytest.mark.parametrize("kind", ["fp16", "bf16"])
-def test_mixed_precision_on_a_gpu_with_nccl(tmp_path, kind):
-    """NCCL DDP on the GPU(s); fp16 with its scaler: resumes bit-exactly after a stop."""
+def test_mixed_precision_on_a_gpu_with_nccl(tmp_path, kind, strategy):
+    """NCCL DDP and FSDP on the GPU(s); fp16 with its scaler: resumes bit-exactly after a
+    stop."""
     n = str(min(torch.cuda.device_count(), 2))
     args = [*TINY, "--batch-size", "8", "--precision", kind, "--nprocs", n, "--check-nans"]
+    args += ["--strategy", strategy]
     full, split = tmp_path / "full", tmp_path / "split"
     for run, extra in ((full, []), (split, ["--epochs-per-job", "2"]), (split, [])):
         done = run_cli(*args, *extra, "--run-dir", str(run), cwd=tmp_path, gpus=True)
         assert done.returncode in (0, 3), done.stderr[-2000:]
     assert_same_run(full, split)
-    state = load_file(full / "checkpoints" / "latest.pt")
+    state = load_file(full / "checkpoints" / ("latest.dcp" if strategy == "fsdp" else "latest.pt"))
     assert state["config"]["train"]["precision"] == kind
     assert (state["scaler"] is not None) == (kind == "fp16")

@@ -174,3 +174,13 @@ def test_default_run_dir_uses_job_id(tmp_path, monkeypatch):
 def test_empty_training_set_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match="training dataset is empty"):
         fit(tmp_path, options=TinyOptions(samples=0))
+
+
+def test_fit_ends_its_loader_workers_before_it_returns(tmp_path):
+    """Persistent loader workers end with fit, not at interpreter exit, where torch's
+    exit handler joins them after CUDA and the process group are gone."""
+    import multiprocessing
+
+    trainer, _ = fit(tmp_path, epochs=1, num_workers=2)
+    assert trainer.train_loader._iterator is None and trainer.val_loader._iterator is None
+    assert multiprocessing.active_children() == []

@@ -487,5 +487,17 @@ def create_strategy(info: DistInfo, config: DistConfig) -> Strategy:
         )
     if name != "horovod":
         # fail early and clearly; two processes on one GPU: preflight, which sees them all
-        resolve_backend(config.backend, info.device)
+        backend = resolve_backend(config.backend, info.device)
+        if backend == "nccl" and info.starts_workers:
+            check_gpus_for_workers(info.workers, torch.cuda.device_count())
     return STRATEGIES[name](info, config)
+
+
+def check_gpus_for_workers(workers: int, gpus: int) -> None:
+    """A ``--nprocs`` parent gives each NCCL worker one of the GPUs it sees: refused here,
+    before any starts, when there are fewer (ranks from other launchers: preflight)."""
+    if workers > gpus:
+        raise UserError(
+            f"{workers} processes to start here and {gpus} GPU(s) visible: NCCL needs one GPU "
+            f"per process: start at most {gpus} here (--nprocs), or use --backend gloo"
+        )
