@@ -107,6 +107,7 @@ QUICK = (
     "test_sweep.py::test_a_bad_space_is_refused_with_the_option_named",
     "test_distributed.py::test_spawn_writes_once_from_rank_0",
     "test_distributed.py::test_fsdp",
+    "test_distributed.py::test_a_parent_starting_more_nccl_workers_than_its_gpus_is_refused_first",
     "test_checkpointer.py::test_resume_on_another_number_of_processes_keeps_the_global_batch[2x8->1x8x2]",
     "test_evaluation.py::test_evaluate_is_exact_under_every_strategy[ddp]",
     "test_mnist.py::test_one_epoch_on_the_sample",
