@@ -51,6 +51,14 @@ class LoopConfig:
             "D-HH:MM:SS, HH:MM:SS or minutes ('': off)"
         },
     )
+    steps_per_epoch: int = field(
+        default=0,
+        metadata={
+            "help": "an epoch of an iterable (streaming) training dataset is N optimizer "
+            "steps, the stream read on across epochs and started again when it ends (0: an "
+            "epoch is one pass of the stream)"
+        },
+    )
     val_every_steps: int = field(
         default=0,
         metadata={
@@ -121,6 +129,10 @@ class LoopConfig:
     def __post_init__(self) -> None:
         check(self.epochs >= 1, f"--epochs must be at least 1 (got {self.epochs})")
         check(self.max_steps >= 0, f"--max-steps must be >= 0 (got {self.max_steps})")
+        check(
+            self.steps_per_epoch >= 0,
+            f"--steps-per-epoch must be >= 0 (got {self.steps_per_epoch})",
+        )
         check(
             self.val_every_steps >= 0,
             f"--val-every-steps must be >= 0 (got {self.val_every_steps})",

@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from dmltrain.config import TrainConfig
+from dmltrain.data import streams
 from dmltrain.engine.batches import StepOutput, split_step_output
 from dmltrain.errors import UserError
 from dmltrain.runtime.distributed import Strategy
@@ -102,7 +103,12 @@ class TrainerHooks(abc.ABC):
         return [child for child in model.children() if any(True for _ in child.parameters())]
 
     def create_dataloader(self, dataset: Dataset, train: bool) -> DataLoader:
+        """A loader of ``dataset``: dmltrain's samplers for a map-style one; for an
+        ``IterableDataset``, one that saves the stream's position (``data.streams``)."""
         cfg = self.config
+        if streams.is_stream(dataset):
+            pin = self.device.type == "cuda"
+            return streams.loader(dataset, cfg.batch_size, cfg.num_workers, pin)
         sampler: Sampler[tuple[int, int]] = (
             self.strategy.train_sampler(dataset, cfg.seed)
             if train

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.utils.data import Dataset, TensorDataset
+from torch.utils.data import Dataset, IterableDataset, TensorDataset, get_worker_info
 
 from dmltrain import BaseTrainer, Callback, Tracker, register_experiment
 from dmltrain.features.tracking import TrackerStart
@@ -117,6 +117,12 @@ class TinyOptions:
         metadata={"help": "a callback logs the first layer's weights as an image and as a "
                   "figure at each validation"},
     )  # fmt: skip
+    stream: str = field(
+        default="",
+        metadata={"help": "the training set as an IterableDataset sharded by rank and worker: "
+                  "stateful (state_dict/load_state_dict), stateless, or unsized (stateful, "
+                  "no len)"},
+    )  # fmt: skip
     record_samples: bool = field(
         default=False,
         metadata={"help": "each rank appends 'EPOCH STEP INDEX...' of its batches to "
@@ -173,6 +179,57 @@ class Augmented(Dataset):
         x, y = self.inner[index]
         noise = torch.randn(x.shape) + float(np.random.randn()) + random.gauss(0.0, 1.0)
         return x + 0.05 * noise, y
+
+
+class Stream(IterableDataset):
+    """A user's stream: this rank's samples (every world-th), dealt out to the loader's
+    workers, in order; it says where it is (samples of this worker's shard yielded in the
+    pass) and starts the next pass from the beginning."""
+
+    def __init__(self, inner: Dataset, rank: int, world_size: int) -> None:
+        self.inner, self.rank, self.world_size = inner, rank, world_size
+        self.position = 0
+
+    def _shard(self) -> range:
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        step = self.world_size * workers
+        return range(self.rank + worker * self.world_size, len(self.inner), step)
+
+    def __len__(self) -> int:
+        return len(range(self.rank, len(self.inner), self.world_size))
+
+    def __iter__(self):
+        shard = self._shard()
+        while self.position < len(shard):
+            index = shard[self.position]
+            self.position += 1
+            yield self.inner[index]
+        self.position = 0
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+class UnsizedStream(Stream):
+    __len__ = None  # type: ignore[assignment]
+
+
+class StatelessStream(IterableDataset):
+    """The same samples, with no position to save (a generator over the shard)."""
+
+    def __init__(self, inner: Dataset, rank: int, world_size: int) -> None:
+        self.stream = Stream(inner, rank, world_size)
+
+    def __len__(self) -> int:
+        return len(self.stream)
+
+    def __iter__(self):
+        shard = self.stream._shard()
+        return (self.stream.inner[i] for i in shard)
 
 
 class GradNorms(Callback):
@@ -375,6 +432,9 @@ class TinyTrainer(BaseTrainer):
         validation = TensorDataset(x[n : n + val], y[n : n + val])
         train = Augmented(train) if self.opts.augment else train
         o = self.opts
+        if o.stream:
+            kind = {"stateful": Stream, "stateless": StatelessStream, "unsized": UnsizedStream}
+            train = kind[o.stream](train, self.dist.rank, self.dist.world_size)
         if o.data_sleep and o.data_sleep_rank in (-1, self.dist.rank):
             train = SlowSamples(train, o.data_sleep)
         return train, validation

@@ -125,6 +125,7 @@ class Saved:
     ema: Any = None  # dmltrain.features.ema.EMA with --ema-decay
     # callbacks' and the experiment's (dmltrain.callback.states), by key
     states: Mapping[str, Any] = field(default_factory=dict)
+    feed: Any = None  # dmltrain.data.streams.TrainFeed: a stream's position on each rank
 
 
 @dataclass(frozen=True)
@@ -213,7 +214,11 @@ class Checkpointer:
         # a zero step (Adam's step count moves), which is undone after the save.
         fresh = not any(optimizer.state for optimizer in saved.optimizers)
         partial = state.metrics.state_dict() if state.step_in_epoch else None
-        ranks = strategy.all_gather_object({"rng": rng_state(), "metrics": partial})
+        position = None if saved.feed is None else saved.feed.position()
+        ranks = strategy.all_gather_object(
+            {"rng": rng_state(), "metrics": partial, "data": position}
+        )
+        positions = [r["data"] for r in ranks]
         ema = None if saved.ema is None else saved.ema.state_dict()  # every rank (FSDP gathers)
         kept = {key: item.state_dict() for key, item in saved.states.items()}  # every rank
         if main:
@@ -227,6 +232,7 @@ class Checkpointer:
                 **state.state_dict(),
                 "epoch_metrics": [r["metrics"] for r in ranks],
                 "rng": [r["rng"] for r in ranks],
+                **({"data": positions} if any(p is not None for p in positions) else {}),
                 "world_size": self.dist.world_size,
                 **({"ema": ema} if ema is not None else {}),
                 **({"states": kept} if kept else {}),
@@ -473,6 +479,7 @@ class Checkpointer:
         if counters:
             self._load_states(state.get("states", {}), path)
             rank, world = self.dist.rank, self.dist.world_size
+            self._restore_position(state, path)
             if state["world_size"] == world:
                 saved.state.load_state_dict(state, state["epoch_metrics"][rank])
                 if "rng" in state:
@@ -482,6 +489,21 @@ class Checkpointer:
                 saved.state.load_state_dict(state, merged)
                 seed = state["config"]["train"]["seed"]
                 seed_everything(sample_seed(seed, state["global_step"], rank) >> 1)
+
+    def _restore_position(self, state: dict[str, Any], path: Path) -> None:
+        """Each rank's place in its training stream, taken up when the loop goes on."""
+        feed, world = self.saved.feed, self.dist.world_size
+        if feed is None or not feed.takes_position(state["step_in_epoch"] > 0):
+            return
+        positions = state.get("data")
+        if positions is not None and len(positions) != world:
+            raise UserError(
+                f"{path} holds where the training stream was on each of its "
+                f"{len(positions)} processes, and this run has {world}: a stream cannot be "
+                f"split anew; resume on {len(positions)} processes"
+            )
+        mine = None if positions is None else positions[self.dist.rank]
+        feed.restore(mine, self.warn if self.dist.is_main else lambda line: None)
 
     def _load_states(self, kept: dict[str, Any], path: Path) -> None:
         """The callbacks' and the experiment's states; one that the checkpoint lacks starts

@@ -7,7 +7,6 @@ seed, ``create_model``, per-rank seed, wrap, EMA copy, compile, loaders, optimiz
 """
 
 import dataclasses
-import math
 from functools import partial
 from typing import Any
 
@@ -17,7 +16,8 @@ from dmltrain import callback
 from dmltrain.callback import Events
 from dmltrain.checkpoint.checkpointer import Checkpointer, Saved
 from dmltrain.config import as_plain, to_yaml
-from dmltrain.data import rng, samples
+from dmltrain.data import rng, samples, streams
+from dmltrain.data.streams import TrainFeed
 from dmltrain.engine import contract, evaluation, metric_objects
 from dmltrain.engine.budget import Budget, total_steps
 from dmltrain.engine.loop import TrainingLoop
@@ -111,7 +111,7 @@ class TrainerSetup(TrainingLoop):
             self.device,
             objects=metric_objects.prepare(metrics, self.device, self.strategy.metric_gather()),
         )
-        self.total_steps = total_steps(loop, math.ceil(len(self.train_loader) / loop.grad_accum))
+        self._total_steps = total_steps(loop, self._feed.steps)
         made = contract.several(self.create_optimizer(self.model), "create_optimizer")
         self.optimizers = tuple(
             self.strategy.wrap_optimizer(o, self.model, loop.grad_accum, self.manual_optimization)
@@ -143,7 +143,14 @@ class TrainerSetup(TrainingLoop):
         self._fire(self._events.on_setup)
         states = {} if evaluating else callback.states(callbacks, self.create_states())
         saved = Saved(
-            self.model, self.optimizers, self._schedulers, self._precision, self._state, ema, states
+            self.model,
+            self.optimizers,
+            self._schedulers,
+            self._precision,
+            self._state,
+            ema,
+            states,
+            self._feed,
         )
         plain = as_plain(cfg, self.options)  # what checkpoints and records hold of the config
         restoring = cfg.checkpoint
@@ -234,12 +241,20 @@ class TrainerSetup(TrainingLoop):
             self.prepare_data()
         self.strategy.barrier()
         train_set, val_set = contract.datasets(self.create_datasets())
-        if len(train_set) == 0:
+        if not streams.is_stream(train_set) and len(train_set) == 0:
             raise UserError("the training dataset is empty: check --data-dir")
-        seed = self.config.loop.seed
+        seed, dist = self.config.loop.seed, self.dist
         self.train_loader = self.create_dataloader(samples.keyed(train_set, seed), train=True)
+        self._feed = TrainFeed(self.train_loader, self.config.loop, dist.rank, dist.world_size)
+        steps = self.strategy.all_gather_object(self._feed.steps) if self._feed.strict else []
+        if len(set(steps)) > 1:
+            raise UserError(
+                f"the training stream gives the ranks different numbers of steps an epoch "
+                f"({', '.join(f'rank {r}: {n}' for r, n in enumerate(steps))}): make its "
+                "len() the same on every rank, or give --steps-per-epoch"
+            )
         self.val_loader = None
-        if val_set is not None and len(val_set) == 0:
+        if val_set is not None and not streams.is_stream(val_set) and len(val_set) == 0:
             raise UserError(
                 "the validation dataset is empty: check --data-dir, or return None for it "
                 "from create_datasets to train without validation"
@@ -326,6 +341,7 @@ class TrainerSetup(TrainingLoop):
                 self.config.loop,
                 self.dist.world_size,
                 self.config.numerics.precision,
+                self._feed.steps,
             )
             self._progress.info(rundir.write_records(self.run_dir, text, info))
             steps_log = StepsLogFeature(

@@ -17,9 +17,11 @@ from dmltrain.config import LoopConfig, time_limit_seconds
 from dmltrain.engine.state import TrainState
 
 
-def total_steps(loop: LoopConfig, steps_per_epoch: int) -> int:
+def total_steps(loop: LoopConfig, steps_per_epoch: int | None) -> int | None:
     """Optimizer steps the run takes, by --epochs and --max-steps (a time budget or early
-    stopping may end it sooner)."""
+    stopping may end it sooner); None when neither says (a stream of unknown length)."""
+    if steps_per_epoch is None:
+        return loop.max_steps or None
     total = loop.epochs * steps_per_epoch
     return min(total, loop.max_steps) if loop.max_steps else total
 
@@ -59,13 +61,13 @@ class Budget:
     def steps_done(self) -> bool:
         return bool(self.loop.max_steps) and self.state.global_step >= self.loop.max_steps
 
-    def last_step_in_epoch(self, steps: int) -> int:
+    def last_step_in_epoch(self, steps: int | None) -> int:
         """The step of the epoch in progress (1-based, of ``steps``) at which ``--max-steps``
         ends the run before the epoch's end; 0 when it does not (checked once an epoch,
         not at every step)."""
         s, most = self.state, self.loop.max_steps
         last = s.step_in_epoch + most - s.global_step if most else 0
-        return last if 0 < last < steps else 0
+        return last if last > 0 and (steps is None or last < steps) else 0
 
     def time_done(self) -> bool:
         """This rank's view (agree before acting on it)."""

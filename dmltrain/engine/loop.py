@@ -7,7 +7,6 @@ the events (``callback``, ``features``); the loop names no feature.
 """
 
 import contextlib
-import math
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from dmltrain.callback import Events
 from dmltrain.checkpoint.checkpointer import Checkpointer
-from dmltrain.data import samples
+from dmltrain.data.streams import TrainFeed
 from dmltrain.engine import evaluation
 from dmltrain.engine.batches import chunks
 from dmltrain.engine.budget import Budget, Done
@@ -27,6 +26,7 @@ from dmltrain.engine.precision import Precision
 from dmltrain.engine.progress import Progress
 from dmltrain.engine.state import TrainState
 from dmltrain.engine.step import ManualStep, OptimizerStep
+from dmltrain.errors import UserError
 from dmltrain.features.builtin import Features
 from dmltrain.features.monitor import Monitor, StepClock
 from dmltrain.features.tracking import Tracker
@@ -49,7 +49,8 @@ class TrainingLoop(TrainerHooks):
     train_loader: DataLoader
     val_loader: DataLoader | None
     run_dir: Path
-    total_steps: int  # optimizer steps by --epochs and --max-steps, known before the first
+    _total_steps: int | None  # by --epochs and --max-steps; None: a stream's, unknown
+    _feed: TrainFeed  # the training batches of each epoch
     _state: TrainState  # epoch, steps, best value, log rows (what a checkpoint holds)
     _progress: Progress
     _checkpointer: Checkpointer
@@ -66,6 +67,17 @@ class TrainingLoop(TrainerHooks):
     _features: Features  # the built-in features' own points
     _tracker: Tracker  # rank 0's trackers (an inactive one elsewhere)
     _epochs_this_job: int
+
+    @property
+    def total_steps(self) -> int:
+        """Optimizer steps the run takes by --epochs and --max-steps, known before the
+        first (for a schedule stepped each step)."""
+        if self._total_steps is None:
+            raise UserError(
+                "total_steps is unknown: the training stream has no len(); give "
+                "--steps-per-epoch N (or --max-steps N) to size a schedule by steps"
+            )
+        return self._total_steps
 
     def warn(self, message: str) -> None:
         """A warning on stderr; ranks other than 0 prefix theirs with their rank."""
@@ -126,14 +138,10 @@ class TrainingLoop(TrainerHooks):
         loop, s, clock = self.config.loop, self._state, self._step_clock
         epoch = s.epoch + 1  # 1-based, as printed and logged
         self.model.train()
-        sampler = self.train_loader.sampler
-        if isinstance(sampler, samples.ResumableSampler):
-            sampler.set_epoch(s.epoch)
-            sampler.start = s.step_in_epoch * loop.grad_accum * loop.batch_size
-        # the steps left (the sampler starts where the epoch is), and those done
-        steps = s.step_in_epoch + math.ceil(len(self.train_loader) / loop.grad_accum)
+        steps = self._feed.steps  # None: a stream of unknown length, until it ends
         last = self._budget.last_step_in_epoch(steps)  # of --max-steps, when inside the epoch
-        batches = chunks(clock.batches(samples.iterate(self.train_loader)), loop.grad_accum)
+        left = self._feed.epoch(s.epoch, s.step_in_epoch)  # the micro-batches from here on
+        batches = chunks(clock.batches(left), loop.grad_accum)
         step_end, every = self._events.on_step_end, loop.val_every_steps
         clock.restart()
         for step, micro_batches in enumerate(
@@ -151,7 +159,8 @@ class TrainingLoop(TrainerHooks):
             clock.step()
             if self._progress.due(step):  # the log interval, and the epoch's last step
                 self._log_interval(step, epoch)
-            if every and s.global_step % every == 0 and step < steps and self.val_loader:
+            within = steps is None or step < steps  # not the epoch's last step
+            if every and s.global_step % every == 0 and within and self.val_loader:
                 with self._features.quiet():
                     _, best, stop_early = self._epoch_row(s.epoch, partial=True)
                 self.model.train()
@@ -170,7 +179,7 @@ class TrainingLoop(TrainerHooks):
             self._checkpointer.save_when_due(timed, stopping)
             if stopping:
                 return self._stop_for_preemption()
-            if (finished and step < steps) or step == last:  # a budget ends the run in the epoch
+            if (finished and within) or step == last:  # a budget ends the run in the epoch
                 return Done(self._budget.reason(finished) or "")
         return None
 

@@ -94,7 +94,7 @@ class Progress:
             print(message, file=self.stream, flush=True)
 
     def epoch(
-        self, batches: Iterable[Any], epoch: int, epochs: int, total: int, done: int = 0
+        self, batches: Iterable[Any], epoch: int, epochs: int, total: int | None, done: int = 0
     ) -> Iterator[Any]:
         """``batches`` shown as epoch ``epoch`` of ``total`` steps; ``done``: this rank's
         samples of it before a resume (the throughput counts from there)."""
@@ -138,9 +138,9 @@ class Progress:
             self._bar.set_postfix({k: _fmt(v) for k, v in metrics.items()}, refresh=False)
         elif self.mode == "log":
             shown = " ".join(f"{k} {_fmt(v)}" for k, v in metrics.items())
+            of = f"/{self._total}" if self._total else ""  # a stream's length may be unknown
             self.info(
-                f"epoch {self._epoch}/{self._epochs} step {step}/{self._total} "
-                f"{shown} {rate:.0f} samples/s"
+                f"epoch {self._epoch}/{self._epochs} step {step}{of} {shown} {rate:.0f} samples/s"
             )
         return {**metrics, "samples_per_s": rate}
 

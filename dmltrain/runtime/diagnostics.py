@@ -12,7 +12,6 @@ SECRET or CREDENTIAL in them redacted by ``dmltrain.runtime.launch``).
 import importlib.metadata
 import inspect
 import json
-import math
 import platform
 import shutil
 import subprocess
@@ -138,8 +137,22 @@ def collect(
     }
 
 
+def _length(dataset: Any) -> int | None:
+    """A dataset's size; None for a stream that does not say."""
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
+
+
 def training(
-    model: Any, train: Any, val: Any, loop: Any, world_size: int, precision: str
+    model: Any,
+    train: Any,
+    val: Any,
+    loop: Any,
+    world_size: int,
+    precision: str,
+    steps_per_epoch: int | None,
 ) -> dict[str, Any]:
     """What the run trains: the model's parameters (all of them, sharded or not), the
     datasets' sizes (``train``, ``val``: the data loaders), the steps of an epoch and the
@@ -150,9 +163,9 @@ def training(
         "parameters": sum(p.numel() for p in params),
         "trainable": sum(p.numel() for p in params if p.requires_grad),
         "parameter_bytes": sum(p.numel() * p.element_size() for p in params),
-        "train_samples": len(train.dataset),
-        "val_samples": None if val is None else len(val.dataset),
-        "steps_per_epoch": math.ceil(len(train) / loop.grad_accum),
+        "train_samples": _length(train.dataset),
+        "val_samples": None if val is None else (_length(val.dataset) or "stream"),
+        "steps_per_epoch": steps_per_epoch,
         "batch_size": loop.batch_size,
         "grad_accum": loop.grad_accum,
         "global_batch": loop.batch_size * loop.grad_accum * world_size,
@@ -208,14 +221,17 @@ def summary(info: dict[str, Any], path: Path) -> str:
     lines = []
     t = info.get("training")
     if t:
-        val = "no" if t["val_samples"] is None else f"{t['val_samples']:,}"
+        train = "a stream of" if t["train_samples"] is None else f"{t['train_samples']:,}"
+        val = {None: "no", "stream": "a stream of"}.get(t["val_samples"]) or f"{t['val_samples']:,}"
+        steps = t["steps_per_epoch"]
+        steps = "until the stream ends:" if steps is None else f"{steps:,}"
         accum = f" x {t['grad_accum']} accumulated" if t["grad_accum"] > 1 else ""
         lines += [
             f"dmltrain: model {t['model']}: {_count(t['trainable'])} trainable of "
             f"{_count(t['parameters'])} parameters ({_bytes(t['parameter_bytes'])}), "
             f"precision {t['precision']}",
-            f"dmltrain: data {t['train_samples']:,} training and {val} validation samples; "
-            f"{t['steps_per_epoch']:,} steps an epoch of global batch {t['global_batch']:,} "
+            f"dmltrain: data {train} training and {val} validation samples; "
+            f"{steps} steps an epoch of global batch {t['global_batch']:,} "
             f"({info['world_size']} process(es) x {t['batch_size']}{accum})",
         ]
     return "\n".join(
