@@ -184,7 +184,7 @@ class Augmented(Dataset):
 class Stream(IterableDataset):
     """A user's stream: this rank's samples (every world-th), dealt out to the loader's
     workers, in order; it says where it is (samples of this worker's shard yielded in the
-    pass) and starts the next pass from the beginning."""
+    pass), and begins a pass at set_epoch."""
 
     def __init__(self, inner: Dataset, rank: int, world_size: int) -> None:
         self.inner, self.rank, self.world_size = inner, rank, world_size
@@ -205,7 +205,9 @@ class Stream(IterableDataset):
             index = shard[self.position]
             self.position += 1
             yield self.inner[index]
-        self.position = 0
+
+    def set_epoch(self, epoch):
+        self.position = 0  # a new pass (a pass read to its end stays there until then)
 
     def state_dict(self):
         return {"position": self.position}

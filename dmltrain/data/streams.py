@@ -98,6 +98,7 @@ class TrainFeed:
         self.strict = self.stream and world_size > 1  # a short stream would unpair ranks
         self._iterator: Iterator[Any] | None = None  # kept across epochs: --steps-per-epoch
         self._resume: Any = None  # a saved position, taken when the next epoch starts
+        self.passes = 0  # of the stream begun, under --steps-per-epoch
 
     def epoch(self, epoch: int, step_in_epoch: int) -> Iterator[Any]:
         """The micro-batches left of ``epoch`` (0-based), whose first ``step_in_epoch``
@@ -113,7 +114,7 @@ class TrainFeed:
             self.loader.load_state_dict(self._resume)  # type: ignore[attr-defined]
             self._resume, self._iterator = None, iterate(self.loader)
         elif not self.loop.steps_per_epoch:  # a pass an epoch
-            self._iterator = iterate(self.loader)
+            self._iterator = self._begin(epoch)
         if self.loop.steps_per_epoch:
             return islice(self._endless(), ((self.steps or 0) - step_in_epoch) * accum)
         assert self._iterator is not None
@@ -126,7 +127,8 @@ class TrainFeed:
         while True:
             fresh = self._iterator is None  # else the last epoch's, or a restored one
             if fresh:
-                self._iterator = iterate(self.loader)
+                self._iterator = self._begin(self.passes)
+                self.passes += 1
             empty = True
             for batch in self._iterator:  # type: ignore[union-attr]
                 empty = False
@@ -137,6 +139,14 @@ class TrainFeed:
                     f"the training stream ({type(self.loader.dataset).__name__}) yields no "
                     f"batch on rank {self.rank}: check how it shards itself by rank and worker"
                 )
+
+    def _begin(self, number: int) -> Iterator[Any]:
+        """A new pass of the stream; a dataset with ``set_epoch`` is told which (its
+        shuffle), before the loader's workers take their copies of it."""
+        set_epoch = getattr(self.loader.dataset, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(number)
+        return iterate(self.loader)
 
     def _exactly(self, batches: Iterator[Any], n: int) -> Iterator[Any]:
         """``batches``, which must be ``n`` (the ranks take as many steps)."""
@@ -160,7 +170,9 @@ class TrainFeed:
         """This rank's place in the stream; None for a sampler's keys (the counters say
         where those are) and for a loader that cannot say."""
         state_dict = getattr(self.loader, "state_dict", None)
-        return state_dict() if self.stream and callable(state_dict) else None
+        if not (self.stream and callable(state_dict)):
+            return None
+        return {"loader": state_dict(), "passes": self.passes}
 
     def takes_position(self, mid_epoch: bool) -> bool:
         """Whether a resume goes on from a saved position: a stream's, in the middle of an
@@ -184,4 +196,4 @@ class TrainFeed:
                 "again from its start up to the checkpoint's position, exact only if it "
                 "yields the same samples each time; implement both to resume without that"
             )
-        self._resume = position
+        self._resume, self.passes = position["loader"], position["passes"]

@@ -1,0 +1,125 @@
+"""Samples of a zarr store read in windows along time, as climate models read their
+(time, level, lat, lon) archives: a stream that shards itself and says where it is.
+
+Sample ``t`` is ``(inputs, target)``: the variables at ``window`` consecutive time steps
+from ``t``, and at ``lead`` steps after the last of them. The store is opened in the
+process that reads it (a loader worker, or the training process with no workers), never
+before: an open store's file handles must not cross a fork. ``dmltrain[zarr]``.
+"""
+
+import random
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from dmltrain.errors import UserError
+
+
+class ZarrWindows(IterableDataset):
+    """``(inputs, target)`` float32 tensors from the arrays ``variables`` of the zarr group
+    at ``path``, each of shape (time, ...) with the same shape: inputs ``(window,
+    variables, ...)``, target ``(variables, ...)``.
+
+    Rank ``rank`` of ``world_size`` takes every ``world_size``-th sample of each pass
+    (the remainder left out, so every rank has as many); its loader workers deal those out
+    in turn. With ``seed`` each pass is shuffled by (seed, pass); without, samples come in
+    time order. A pass begins with ``set_epoch``. ``state_dict`` says where this worker is
+    in its pass.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        variables: str | Sequence[str],
+        window: int = 1,
+        lead: int = 1,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int | None = None,
+    ) -> None:
+        if window < 1 or lead < 1:
+            raise UserError(f"ZarrWindows: window and lead must be >= 1 (got {window}, {lead})")
+        self.path = str(path)
+        self.variables = [variables] if isinstance(variables, str) else list(variables)
+        self.window, self.lead = window, lead
+        self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.epoch = 0  # the pass, for the shuffle
+        self.position = 0  # samples of this worker's share of the pass yielded
+        steps = _open(self.path, self.variables)[0].shape[0]  # the metadata only
+        self.samples = max(steps - window - lead + 1, 0)
+        if self.samples < world_size:
+            raise UserError(
+                f"{self.path}: {steps} time steps make {self.samples} sample(s) of window "
+                f"{window} and lead {lead}, fewer than the {world_size} processes"
+            )
+        self._arrays: list[Any] | None = None
+
+    def __len__(self) -> int:
+        """This rank's samples in a pass."""
+        return self.samples // self.world_size
+
+    def set_epoch(self, epoch: int) -> None:
+        """Begin pass ``epoch`` (dmltrain's loop calls it before each pass). A pass read to
+        its end stays there until then: a worker restored at its end yields nothing more."""
+        self.epoch, self.position = epoch, 0
+
+    def _mine(self) -> list[int]:
+        """This worker's samples of the pass, in order."""
+        order = list(range(self.samples))
+        if self.seed is not None:
+            random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
+        info = get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        ranks = order[self.rank : len(self) * self.world_size : self.world_size]
+        return ranks[worker::workers]
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        if self._arrays is None:
+            self._arrays = _open(self.path, self.variables)
+        mine = self._mine()
+        while self.position < len(mine):
+            t = mine[self.position]
+            self.position += 1
+            yield self._sample(t)
+
+    def _sample(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        arrays = self._arrays or []
+        inputs = np.stack([a[t : t + self.window] for a in arrays], axis=1)
+        target = np.stack([a[t + self.window + self.lead - 1] for a in arrays], axis=0)
+        return torch.from_numpy(inputs.astype(np.float32)), torch.from_numpy(
+            target.astype(np.float32)
+        )
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = state["epoch"], state["position"]
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_arrays": None}  # reopened where it is read
+
+
+def _open(path: str, variables: list[str]) -> list[Any]:
+    try:
+        import zarr
+    except ImportError:
+        raise UserError("ZarrWindows needs zarr: pip install 'dmltrain[zarr]'") from None
+    try:
+        group = zarr.open_group(path, mode="r")
+    except (FileNotFoundError, ValueError, OSError) as exc:
+        raise UserError(f"{path} is not a zarr group that can be read: {exc}") from None
+    missing = [v for v in variables if v not in group]
+    if missing:
+        raise UserError(f"{path} has no array {', '.join(missing)} (it has {', '.join(group)})")
+    arrays = [group[v] for v in variables]
+    groups = [v for v, a in zip(variables, arrays, strict=True) if not isinstance(a, zarr.Array)]
+    if groups:
+        raise UserError(f"{path}: {', '.join(groups)} is a group, not an array")
+    shapes = {tuple(a.shape) for a in arrays}  # type: ignore[union-attr]
+    if len(shapes) > 1:
+        raise UserError(f"{path}: {', '.join(variables)} differ in shape ({sorted(shapes)})")
+    return arrays
