@@ -14,7 +14,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from dmltrain import BaseTrainer, register_experiment
 
-from . import mnist_data
+from . import mnist_data, mnist_shards
 
 
 @dataclass(frozen=True)
@@ -34,6 +34,13 @@ class MnistOptions:
     )
     download_timeout: float = field(
         default=30.0, metadata={"help": "seconds to wait for a mirror before trying the next"}
+    )
+    shards: str = field(
+        default="",
+        metadata={
+            "help": "train on the digits of these WebDataset tar shards (a glob, quoted), "
+            "read as a stream; validation stays on --data-dir's test digits"
+        },
     )
 
     def __post_init__(self) -> None:
@@ -95,6 +102,11 @@ class MnistTrainer(BaseTrainer):
             why,
             warn=self.warn if self.dist.is_main else None,
         )
+        if options.shards:
+            dist = self.dist
+            train = mnist_shards.MnistShards(
+                options.shards, dist.rank, dist.world_size, self.config.seed
+            )
         return train, test
 
     def train_step(self, batch):

@@ -156,3 +156,31 @@ def test_mnist_evaluate_and_predict_count_every_digit_once(mnist_reference, tmp_
     assert logits.shape == (1000, 10) and torch.equal(digits, logits.argmax(dim=1))
     labels = mnist_data.load(tmp_path / "none", True, "not here", None)[1].tensors[1]
     assert int((digits == labels).sum()) == round(row["val_acc"] * 1000)
+
+
+def test_mnist_from_webdataset_shards_resumes_mid_epoch_where_each_rank_was(tmp_path):
+    """The bundled sample written as real WebDataset tar shards (8 of 500 digits), read by
+    `dmltrain mnist --shards` as a stream on 2 processes with 2 loader workers each (a
+    shard each): SIGUSR1 at step 12 of 24, then the same command again, ends with the
+    same log and weights, bitwise, as a run never stopped; and it learns."""
+    pytest.importorskip("webdataset")
+    from dmltrain_experiments import mnist_data
+    from dmltrain_experiments.mnist_shards import write_shards
+
+    arrays, _ = mnist_data.read_dir(mnist_data.SAMPLE_DIR)
+    images, labels = arrays["train_images"], arrays["train_labels"]
+    assert write_shards(images, labels, str(tmp_path / "train-%06d.tar"), 500) == 8
+    args = [*NPROCS, "--num-workers", "2", "--shards", str(tmp_path / "train-*.tar"),
+            "--steps-per-epoch", "24"]  # fmt: skip
+    full, split = tmp_path / "full", tmp_path / "split"
+    done = run_cli(*args, "--run-dir", str(full), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert read_training_log(full / "training_log.csv")[0]["val_acc"] > 0.8
+    code, err = signal_at_line(
+        [*args, "--run-dir", str(split), *AT_ONCE], "epoch 1/1 step 12/", "SIGUSR1", tmp_path
+    )
+    assert code == 3, err[-3000:]
+    resumed = run_cli(*args, "--run-dir", str(split), cwd=tmp_path)
+    assert resumed.returncode == 0 and "resuming from" in resumed.stdout, resumed.stderr[-3000:]
+    assert "the training stream" not in resumed.stdout + resumed.stderr  # nothing to warn of
+    assert_same_mnist(full, split)
