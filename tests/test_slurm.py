@@ -247,6 +247,35 @@ def test_a_task_that_starts_two_workers_is_preempted_requeues_and_ends_equal(
     assert_same_run(tiny_reference, tmp_path / "runs" / f"tiny-{job}")
 
 
+def test_a_stream_preempted_in_a_job_resumes_where_each_rank_was(slurm, tmp_path):
+    """A training stream (tiny's, stateful) read by 2 loader workers on each of the job's 2
+    tasks; scancel --signal=USR1 mid-epoch: the job requeues, each rank goes on from its
+    place in its stream, and the run trains the same samples at the same steps and ends
+    with the same weights, bitwise, as the same command run here uninterrupted."""
+    stream = ["tiny", "--epochs", "3", "--batch-size", "8", "--save-weights", "--progress",
+              "log", "--log-every", "1", "--dropout", "0.2", "--stream", "stateful",
+              "--num-workers", "2", "--record-samples"]  # fmt: skip
+    reference = tmp_path / "reference"
+    done = run_cli(*stream, "--nprocs", "2", "--run-dir", str(reference), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    job = sbatch(tmp_path, *stream, "--step-sleep", "0.4")
+    out = tmp_path / "job.out"
+    wait_for(lambda: out.exists() and "epoch 2/3 step 2/" in out.read_text(), 120, "training")
+    subprocess.run(["scancel", "--signal=USR1", job], check=True)
+    release_requeues_until_done(job, tmp_path)
+    log = out.read_text()
+    assert "preempted (SIGUSR1)" in log and "dmltrain: resuming from" in log, log[-3000:]
+    assert "(epoch 2, 0 steps" not in log  # it stopped inside the epoch
+    run = tmp_path / "runs" / f"tiny-{job}"
+    for rank in (0, 1):
+        steps = (run / f"samples.{rank}.txt").read_text().splitlines()
+        assert (
+            list(dict.fromkeys(steps))
+            == (reference / f"samples.{rank}.txt").read_text().splitlines()
+        )
+    assert_same_run(reference, run)
+
+
 def test_preempted_array_task_requeues_itself_not_the_array(slurm, tiny_reference, tmp_path):
     """Two array tasks (one at a time on this 2-CPU node); task 1 is preempted. Only task 1
     may be requeued: requeueing the array id would rerun the finished task 0 too."""

@@ -127,3 +127,20 @@ def test_what_a_stream_cannot_do_is_one_line(tmp_path):
     train(stopped, "--stream", "stateful", "--nprocs", "2", *STOP_AT_STEP_4, code=3)
     out = train(stopped, "--stream", "stateful", "--batch-size", "16", code=2)
     assert "on each of its 2 processes, and this run has 1" in out and "Traceback" not in out
+
+
+def test_validation_over_a_stream_counts_every_sample_once_over_the_ranks(tmp_path):
+    """33 validation samples streamed as 17 and 16 on 2 ranks: each epoch's val_loss is
+    the mean over all 33, as with the map-style validation set; FSDP, whose forward is
+    collective, is refused in one line."""
+    args = ["--nprocs", "2", "--val-samples", "33", "--epochs", "3"]
+    train(tmp_path / "map", *args)
+    train(tmp_path / "stream", *args, "--val-stream")
+    rows = {name: read_training_log(tmp_path / name / "training_log.csv") for name in
+            ("map", "stream")}  # fmt: skip
+    assert len(rows["stream"]) == 3
+    for a, b in zip(rows["map"], rows["stream"], strict=True):
+        assert b["train_loss"] == a["train_loss"]
+        assert b["val_loss"] == pytest.approx(a["val_loss"], rel=1e-6)
+    out = train(tmp_path / "fsdp", *args, "--val-stream", "--strategy", "fsdp", code=2)
+    assert "validation over a stream under FSDP" in out and "Traceback" not in out

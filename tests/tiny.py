@@ -123,6 +123,9 @@ class TinyOptions:
                   "stateful (state_dict/load_state_dict), stateless, or unsized (stateful, "
                   "no len)"},
     )  # fmt: skip
+    val_stream: bool = field(
+        default=False, metadata={"help": "the validation set as a stream (stateful)"}
+    )
     record_samples: bool = field(
         default=False,
         metadata={"help": "each rank appends 'EPOCH STEP INDEX...' of its batches to "
@@ -432,6 +435,8 @@ class TinyTrainer(BaseTrainer):
         if self.opts.record_samples:
             train = TensorDataset(x[:n], y[:n], torch.arange(n))
         validation = TensorDataset(x[n : n + val], y[n : n + val])
+        if self.opts.val_stream:
+            validation = Stream(validation, self.dist.rank, self.dist.world_size)
         train = Augmented(train) if self.opts.augment else train
         o = self.opts
         if o.stream:

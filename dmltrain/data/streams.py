@@ -88,6 +88,15 @@ def steps_per_epoch(train: DataLoader, loop: LoopConfig, world_size: int) -> int
         return None
 
 
+def evaluation_pass(loader: DataLoader) -> Iterator[Any]:
+    """The batches of one validation or test pass: a stream begins it anew (the same pass
+    each time: ``set_epoch(0)``)."""
+    set_epoch = getattr(loader.dataset, "set_epoch", None)
+    if is_stream(loader.dataset) and callable(set_epoch):
+        set_epoch(0)
+    return iterate(loader)
+
+
 class TrainFeed:
     """The training loader's micro-batches, epoch by epoch, from where the run is."""
 

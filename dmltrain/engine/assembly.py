@@ -259,6 +259,12 @@ class TrainerSetup(TrainingLoop):
                 "the validation dataset is empty: check --data-dir, or return None for it "
                 "from create_datasets to train without validation"
             )
+        if val_set is not None and streams.is_stream(val_set) and self.strategy.name == "fsdp":
+            raise UserError(
+                "validation over a stream under FSDP: the ranks' forward passes are collective "
+                "and a stream cannot be padded to as many batches on each; return a map-style "
+                "validation dataset from create_datasets"
+            )
         if val_set is not None:
             self.val_loader = self.create_dataloader(samples.keyed(val_set, seed), train=False)
 

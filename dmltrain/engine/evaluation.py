@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from dmltrain.data import samples
+from dmltrain.data import streams
 from dmltrain.engine import contract, metric_objects
 from dmltrain.engine.batches import batch_size_of, to_device
 from dmltrain.engine.metrics import MetricAccumulator
@@ -53,7 +53,7 @@ class Evaluator:
     def batches(self, loader: DataLoader, step: Callable[[Any], Any]) -> Iterator[tuple[Any, int]]:
         """``(step's output, how many samples it counts)`` per batch (``real_batches``)."""
         with torch.no_grad():
-            for i, (batch, n) in enumerate(real_batches(loader, samples.iterate(loader))):
+            for i, (batch, n) in enumerate(real_batches(loader, streams.evaluation_pass(loader))):
                 if self.stop is not None and i % CHECK_EVERY == 0 and self.stop():
                     raise StopForRequeue(
                         "preempted during the evaluation: nothing is kept (it runs again whole, "
