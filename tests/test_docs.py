@@ -22,6 +22,7 @@ IDS = [page.name for page in PAGES]
 SPAN = re.compile(r"`([^`\n]+)`")
 FENCE = re.compile(r"```(\w*)\n(.*?)```", re.S)
 HEREDOC = re.compile(r"cat > (\S+) <<'EOF'\n(.*?)\nEOF", re.S)
+SAVED = re.compile(r"Save this as `(\w+\.py)`:\n\n```python\n(.*?)\n```", re.S)  # a page's file
 PLACEHOLDER = re.compile(r"[A-Z][A-Z_]+(\.py)?")  # EXPERIMENT, RUN_DIR, FILE.py
 # The batch systems' own flags, which the pages name beside dmltrain's.
 BATCH_FLAGS = {"--nodes", "--ntasks-per-node", "--gpus-per-task", "--gpus-per-node", "--ppn",
@@ -40,6 +41,8 @@ EXAMPLES = {
         "test_the_tracker_example_is_named_by_its_entry_point",
     ("launching.md", "## From a notebook to a cluster"):
         "test_the_notebook_example_trains_on_two_processes",
+    ("streaming.md", "## A climate archive in zarr"):
+        "test_the_zarr_example_trains_on_two_processes_with_two_workers_each",
 }  # fmt: skip
 
 
@@ -106,7 +109,7 @@ def check_command(args: list[str], known: dict) -> None:
 @pytest.mark.parametrize("page", PAGES, ids=IDS)
 def test_every_command_line_of_a_page_parses(page, here, capsys):
     text = page.read_text()
-    for name, body in HEREDOC.findall(text):  # files a page makes for its commands
+    for name, body in HEREDOC.findall(text) + SAVED.findall(text):  # files its commands use
         (here / name).write_text(body + "\n")
     for lang, body in FENCE.findall(text):  # the page's config file, as its commands name it
         if lang == "yaml" and "cat >" not in body:
