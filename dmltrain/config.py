@@ -306,6 +306,14 @@ class CheckpointConfig:
             "accumulation) than the checkpoint's; the data position is kept in samples"
         },
     )
+    restart_streams: bool = field(
+        default=False,
+        metadata={
+            "help": "resume a training stream on another number of processes than the "
+            "checkpoint's, each rank's stream begun afresh (the samples of the pass in "
+            "progress may be trained again or missed)"
+        },
+    )
     checkpoint_every_steps: int = field(
         default=0, metadata={"help": "also save every N optimizer steps (0: off)"}
     )

@@ -127,6 +127,17 @@ def test_what_a_stream_cannot_do_is_one_line(tmp_path):
     train(stopped, "--stream", "stateful", "--nprocs", "2", *STOP_AT_STEP_4, code=3)
     out = train(stopped, "--stream", "stateful", "--batch-size", "16", code=2)
     assert "on each of its 2 processes, and this run has 1" in out and "Traceback" not in out
+    assert "--restart-streams" in out
+    out = train(stopped, "--stream", "stateful", "--batch-size", "16", "--restart-streams")
+    assert "each rank's stream begins afresh (--restart-streams)" in out
+
+
+def test_the_global_batch_size_sets_a_streams_batch_as_for_map_style_data(tmp_path):
+    args = ["--stream", "stateful", "--nprocs", "2"]
+    train(tmp_path / "batch", *args, "--batch-size", "8")
+    train(tmp_path / "global", *args, "--global-batch-size", "16")
+    assert trained(tmp_path / "global") == trained(tmp_path / "batch")
+    assert_same_run(tmp_path / "batch", tmp_path / "global")
 
 
 def test_validation_over_a_stream_counts_every_sample_once_over_the_ranks(tmp_path):

@@ -497,11 +497,18 @@ class Checkpointer:
             return
         positions = state.get("data")
         if positions is not None and len(positions) != world:
-            raise UserError(
+            where = (
                 f"{path} holds where the training stream was on each of its "
-                f"{len(positions)} processes, and this run has {world}: a stream cannot be "
-                f"split anew; resume on {len(positions)} processes"
+                f"{len(positions)} processes, and this run has {world}"
             )
+            if not self.config.restart_streams:
+                raise UserError(
+                    f"{where}: a stream cannot be split anew; resume on {len(positions)} "
+                    "processes, or pass --restart-streams to begin each rank's stream afresh"
+                )
+            if self.dist.is_main:
+                self.warn(f"{where}: each rank's stream begins afresh (--restart-streams)")
+            return
         mine = None if positions is None else positions[self.dist.rank]
         feed.restore(mine, self.warn if self.dist.is_main else lambda line: None)
 
