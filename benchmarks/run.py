@@ -38,6 +38,7 @@ BENCHMARKS = [
     "collectives",
     "ema",
     "monitor",
+    "streaming",
 ]
 
 
@@ -115,6 +116,16 @@ def targets(reports: dict) -> list[tuple[str, str, str, bool]]:
         us = dp["augmented, 0 workers"]
         rows.append(("per-sample seeds in the training process (augmented MNIST, 0 workers)",
                      f"{us:+.1f} us a sample", "<= 15 us", us <= 15))  # fmt: skip
+    st = reports.get("streaming", {})
+    if st:
+        worst = max(v for k, v in st["ratios"].items() if "stream / map-style" in k)
+        rows.append(("a stream vs map-style data through dmltrain's loaders (MNIST digits, 0 "
+                     "and 2 workers)", f"{worst:.2f}x the time (the slower)", "<= 1.10x",
+                     worst <= 1.1))  # fmt: skip
+        r = st["ratios"]["streaming in training: place kept / not"]
+        rows.append(("keeping a stream's place in every batch (StatefulDataLoader vs torch's), "
+                     "the MNIST CNN's step time, 2 workers", f"{r:.3f}x", "<= 1.01x",
+                     r <= 1.01))  # fmt: skip
     ema = reports.get("ema", {})
     if "extra_ms" in ema:
         low, high = ema["twin_range"]
