@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -195,3 +196,18 @@ def machine() -> str:
         f"{cpus} CPU cores, {gpu}, Python {platform.python_version()}, "
         f"torch {torch.__version__}, {platform.platform(terse=True)}"
     )
+
+
+def loader_benchmark(description: str, argv: list[str] | None) -> tuple[int, Any]:
+    """The loader benchmarks' setting: their rounds (``--quick``: one; else 5), one thread
+    here (a worker runs one too), and the bundled MNIST sample's training digits."""
+    import argparse
+
+    from dmltrain_experiments import mnist_data
+
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--quick", action="store_true", help="one round")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    train, _, _ = mnist_data.load(mnist_data.SAMPLE_DIR, True, "", None)
+    return (1 if args.quick else 5), train

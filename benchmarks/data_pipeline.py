@@ -12,7 +12,6 @@ reads the data once, in turns (plain, seeded, plain, seeded, ...); samples/s is 
 median pass.
 """
 
-import argparse
 import random
 import statistics
 import sys
@@ -24,8 +23,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import loader_benchmark
 from dmltrain.data.samples import ResumableSampler, SeededSamples
-from dmltrain_experiments import mnist_data
 
 BATCH = 64
 
@@ -62,12 +61,7 @@ def one_pass(data: DataLoader) -> float:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one round")
-    args = parser.parse_args(argv)
-    rounds = 1 if args.quick else 5
-    torch.set_num_threads(1)  # the loader's own work; a worker runs one thread too
-    train, _, _ = mnist_data.load(mnist_data.SAMPLE_DIR, True, "", None)
+    rounds, train = loader_benchmark(__doc__.splitlines()[0], argv)
     lines = [
         f"data_pipeline: {len(train)} MNIST digits, batch {BATCH}, median of {rounds} "
         "pass(es) each, plain and seeded in turns",

@@ -12,7 +12,6 @@ place kept). Per round each reads the data once, in turns; samples/s is from the
 pass. A stream's pass includes starting its workers.
 """
 
-import argparse
 import statistics
 import sys
 import time
@@ -30,9 +29,9 @@ from torch.utils.data import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.common import loader_benchmark
 from dmltrain.data import streams
 from dmltrain.data.samples import ResumableSampler, SeededSamples
-from dmltrain_experiments import mnist_data
 from dmltrain_experiments.mnist import Net
 
 BATCH = 64
@@ -112,12 +111,7 @@ def in_training(train: Dataset, rounds: int) -> tuple[str, float]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one round")
-    args = parser.parse_args(argv)
-    rounds = 1 if args.quick else 5
-    torch.set_num_threads(1)  # the loader's own work; a worker runs one thread too
-    digits, _, _ = mnist_data.load(mnist_data.SAMPLE_DIR, True, "", None)
+    rounds, digits = loader_benchmark(__doc__.splitlines()[0], argv)
     train = ConcatDataset([digits] * REPEAT)  # a pass long beside its workers' start
     lines = [
         f"streaming: {len(train)} MNIST digits (the sample {REPEAT} times), batch {BATCH}, "
@@ -151,9 +145,8 @@ def main(argv: list[str] | None = None) -> dict:
         lines.append(f"| {workers} | {' | '.join(rates)} | {versus_map:.2f}x | {kept:.2f}x | "
                      f"{extra[f'{workers} workers']:+.0f} |")  # fmt: skip
         del loaders
-    line, ratios["streaming in training: place kept / not"] = in_training(
-        Subset(digits, range(1024)), rounds
-    )
+    fed = digits if rounds > 1 else Subset(digits, range(256))  # --quick: that it runs
+    line, ratios["streaming in training: place kept / not"] = in_training(fed, rounds)
     text = "\n".join([*lines, "", line])
     print(text, flush=True)
     return {"markdown": text, "ratios": ratios, "us_per_step": extra}

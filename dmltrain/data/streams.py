@@ -30,6 +30,9 @@ from dmltrain.data.samples import ResumableSampler, iterate
 from dmltrain.errors import UserError
 
 EXTRA = "pip install 'dmltrain[streaming]'"
+# Loader workers send their place every this many batches, and a resume replays the batches
+# since (sent every batch, the state slowed the training step: benchmarks/findings.md)
+SNAPSHOT_EVERY = 32
 
 
 def is_stream(dataset: Any) -> bool:
@@ -62,7 +65,7 @@ def loader(dataset: Dataset, batch_size: int, num_workers: int, pin_memory: bool
     logging.getLogger("torchdata.stateful_dataloader.stateful_dataloader").setLevel(logging.ERROR)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*set_vital.*")
-        return StatefulDataLoader(dataset, **options)
+        return StatefulDataLoader(dataset, snapshot_every_n_steps=SNAPSHOT_EVERY, **options)
 
 
 def steps_per_epoch(train: DataLoader, loop: LoopConfig, world_size: int) -> int | None:
