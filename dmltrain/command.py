@@ -9,8 +9,8 @@ def entry() -> int:
     try:
         from dmltrain.runtime.preemption import StartupSignals
 
-        StartupSignals.install()
-        from dmltrain.cli import entry as run
+        with StartupSignals.install().deferring():
+            from dmltrain.cli import entry as run
     except KeyboardInterrupt:
         print("dmltrain: interrupted while starting", file=sys.stderr, flush=True)
         # no interpreter teardown: half-imported modules may raise there again

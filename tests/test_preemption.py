@@ -427,3 +427,24 @@ def test_resume_under_each_launcher_is_bit_exact(uninterrupted, request, tmp_pat
         assert_same_run(request.getfixturevalue("horovod_uninterrupted"), run)
     else:
         assert_same_run(uninterrupted[2], run)
+
+
+def test_a_ctrl_c_during_the_start_ups_imports_is_raised_after_them():
+    """A SIGINT inside ``deferring`` (the command's imports: raised inside torch's import
+    it can abort the process) is kept, and raised when the block ends."""
+    import signal as signals
+
+    from dmltrain.runtime.preemption import StartupSignals
+
+    previous = signals.getsignal(signals.SIGINT)
+    handler = StartupSignals()
+    signals.signal(signals.SIGINT, handler)
+    reached = False
+    try:
+        with pytest.raises(KeyboardInterrupt), handler.deferring():
+            os.kill(os.getpid(), signals.SIGINT)
+            time.sleep(0.05)  # the handler runs here: it must not raise
+            reached = True
+        assert reached and handler.received == ["SIGINT"]
+    finally:
+        signals.signal(signals.SIGINT, previous)

@@ -86,6 +86,19 @@ def test_a_stream_without_state_is_read_forward_to_its_place_with_one_line(tmp_p
     assert_same_run(full, split)
 
 
+def test_a_loader_that_cannot_save_its_place_is_said_at_the_resume(tmp_path):
+    """A create_dataloader of the user's that returns torch's DataLoader: the stream
+    starts again at the resume, and one line says that the epoch's first samples are
+    trained again (never silence)."""
+    args = ["--stream", "stateful", "--own-loader"]
+    run = tmp_path / "run"
+    train(run, *args, *STOP_AT_STEP_4, code=3)
+    out = train(run, *args)
+    assert out.count("starts again from its beginning, so this epoch's first samples") == 1
+    first_epoch = [line.split()[2:] for line in trained(run)[0] if line.startswith("1 ")]
+    assert first_epoch[4] == first_epoch[0]  # step 5 trained step 1's samples again
+
+
 def test_steps_per_epoch_reads_the_stream_on_across_epochs_and_resumes_under_torchrun(
     tmp_path,
 ):

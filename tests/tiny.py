@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.utils.data import Dataset, IterableDataset, TensorDataset, get_worker_info
+from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, get_worker_info
 
 from dmltrain import BaseTrainer, Callback, Tracker, register_experiment
 from dmltrain.features.tracking import TrackerStart
@@ -123,6 +123,10 @@ class TinyOptions:
                   "stateful (state_dict/load_state_dict), stateless, or unsized (stateful, "
                   "no len)"},
     )  # fmt: skip
+    own_loader: bool = field(
+        default=False,
+        metadata={"help": "create_dataloader returns torch's DataLoader (no place to save)"},
+    )
     val_stream: bool = field(
         default=False, metadata={"help": "the validation set as a stream (stateful)"}
     )
@@ -448,6 +452,11 @@ class TinyTrainer(BaseTrainer):
 
     def _data(self):
         return tiny_data(self.opts)
+
+    def create_dataloader(self, dataset, train):
+        if not self.opts.own_loader:
+            return super().create_dataloader(dataset, train)
+        return DataLoader(dataset, batch_size=self.config.batch_size)
 
     def create_test_dataset(self):
         if not self.opts.test_samples:

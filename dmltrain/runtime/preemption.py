@@ -14,12 +14,13 @@ Exit status 3 (``EXIT_REQUEUE``) means "a checkpoint was saved and there is more
 requeue to the exit status.
 """
 
+import contextlib
 import os
 import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import FrameType
 
@@ -45,15 +46,28 @@ class StartupSignals:
 
     def __init__(self) -> None:
         self.received: list[str] = []
+        self.defer = False  # inside ``deferring``
 
     def __call__(self, signum: int, frame: object) -> None:
         name = signal.Signals(signum).name
         self.received.append(name)
-        if name == "SIGINT":
+        if name == "SIGINT" and not self.defer:
+            raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def deferring(self) -> Iterator[None]:
+        """A Ctrl-C inside the block is raised when it ends: raised inside torch's import,
+        in a Python callback of its C++ code, it aborts the process (std::terminate)."""
+        self.defer = True
+        try:
+            yield
+        finally:
+            self.defer = False
+        if "SIGINT" in self.received:
             raise KeyboardInterrupt
 
     @classmethod
-    def install(cls) -> None:
+    def install(cls) -> "StartupSignals":
         """In a process of the command's own; a signal it was started ignoring (a shell's
         background job ignores SIGINT) stays ignored."""
         handler = cls()
@@ -61,6 +75,7 @@ class StartupSignals:
             number = signal.Signals[name]
             if signal.getsignal(number) is _default(number):
                 signal.signal(number, handler)
+        return handler
 
 
 def _default(number: int) -> object:
