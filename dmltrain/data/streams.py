@@ -61,7 +61,7 @@ def loader(dataset: Dataset, batch_size: int, num_workers: int, pin_memory: bool
         return DataLoader(dataset, **options)
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    # dmltrain says in one line what a resume of a stateless stream does (restore_say)
+    # dmltrain says in one line what a resume of a stateless stream does (TrainFeed.restore)
     logging.getLogger("torchdata.stateful_dataloader.stateful_dataloader").setLevel(logging.ERROR)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*set_vital.*")
@@ -91,13 +91,19 @@ def steps_per_epoch(train: DataLoader, loop: LoopConfig, world_size: int) -> int
         return None
 
 
-def evaluation_pass(loader: DataLoader) -> Iterator[Any]:
-    """The batches of one validation or test pass: a stream begins it anew (the same pass
-    each time: ``set_epoch(0)``)."""
+def begin_pass(loader: DataLoader, number: int) -> Iterator[Any]:
+    """A new pass of ``loader``; a stream with ``set_epoch`` is told which (its shuffle),
+    before the loader's workers take their copies of it."""
     set_epoch = getattr(loader.dataset, "set_epoch", None)
     if is_stream(loader.dataset) and callable(set_epoch):
-        set_epoch(0)
+        set_epoch(number)
     return iterate(loader)
+
+
+def evaluation_pass(loader: DataLoader) -> Iterator[Any]:
+    """The batches of one validation or test pass: a stream begins it anew (the same pass
+    each time)."""
+    return begin_pass(loader, 0)
 
 
 class TrainFeed:
@@ -126,7 +132,7 @@ class TrainFeed:
             self.loader.load_state_dict(self._resume)  # type: ignore[attr-defined]
             self._resume, self._iterator = None, iterate(self.loader)
         elif not self.loop.steps_per_epoch:  # a pass an epoch
-            self._iterator = self._begin(epoch)
+            self._iterator = begin_pass(self.loader, epoch)
         if self.loop.steps_per_epoch:
             return islice(self._endless(), ((self.steps or 0) - step_in_epoch) * accum)
         assert self._iterator is not None
@@ -139,7 +145,7 @@ class TrainFeed:
         while True:
             fresh = self._iterator is None  # else the last epoch's, or a restored one
             if fresh:
-                self._iterator = self._begin(self.passes)
+                self._iterator = begin_pass(self.loader, self.passes)
                 self.passes += 1
             empty = True
             for batch in self._iterator:  # type: ignore[union-attr]
@@ -151,14 +157,6 @@ class TrainFeed:
                     f"the training stream ({type(self.loader.dataset).__name__}) yields no "
                     f"batch on rank {self.rank}: check how it shards itself by rank and worker"
                 )
-
-    def _begin(self, number: int) -> Iterator[Any]:
-        """A new pass of the stream; a dataset with ``set_epoch`` is told which (its
-        shuffle), before the loader's workers take their copies of it."""
-        set_epoch = getattr(self.loader.dataset, "set_epoch", None)
-        if callable(set_epoch):
-            set_epoch(number)
-        return iterate(self.loader)
 
     def _exactly(self, batches: Iterator[Any], n: int) -> Iterator[Any]:
         """``batches``, which must be ``n`` (the ranks take as many steps)."""
