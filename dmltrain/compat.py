@@ -5,6 +5,7 @@ Imported lazily where torch is not yet loaded (the ``dmltrain`` command starts w
 """
 
 import atexit
+import contextlib
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -94,3 +95,17 @@ def stop_loader_workers(loader: Any) -> None:
         iterator._shutdown_workers()
     if iterator is not None:
         loader._iterator = None
+
+
+def checkpoint_module(module: nn.Module, recomputing: Callable[[], Any] | None = None) -> None:
+    """Recompute ``module``'s activations in the backward, by hooks on the module itself
+    (``torch.distributed._composable.checkpoint``), ``recomputing()`` a context around each
+    recomputation. torch's other way, ``checkpoint_wrapper`` (private too), puts a wrapper
+    in the module's place: an experiment's step that calls the module's own methods would
+    find the wrapper's."""
+    from torch.distributed._composable import checkpoint
+
+    if recomputing is None:
+        checkpoint(module)
+    else:
+        checkpoint(module, context_fn=lambda: (contextlib.nullcontext(), recomputing()))

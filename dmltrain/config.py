@@ -649,6 +649,49 @@ class EmaConfig:
 
 
 @dataclass(frozen=True)
+class MemoryConfig:
+    """Models that do not fit: activation checkpointing, FSDP's sharded initialisation,
+    hybrid sharding and CPU offload (``dmltrain.runtime.sharding``)."""
+
+    activation_checkpointing: bool = field(
+        default=False,
+        metadata={
+            "help": "recompute the activations of the modules checkpointed_modules names (the "
+            "FSDP units by default) in the backward instead of keeping them: less memory "
+            "for about one more forward"
+        },
+    )
+    sharded_init: bool = field(
+        default=True,
+        metadata={
+            "help": "under FSDP, rank 0 alone builds the whole model (on the CPU) and each "
+            "rank receives its shard; the others build it on the meta device"
+        },
+    )
+    fsdp_shard_size: int = field(
+        default=0,
+        metadata={
+            "help": "under FSDP, shard over groups of K ranks and replicate across the groups "
+            "(HSDP; K divides the number of processes, usually the GPUs of a node; 0: "
+            "shard over all)"
+        },
+    )
+    cpu_offload: bool = field(
+        default=False,
+        metadata={
+            "help": "under FSDP on GPUs, keep the sharded parameters, gradients and optimizer "
+            "state in CPU memory"
+        },
+    )
+
+    def __post_init__(self) -> None:
+        check(
+            self.fsdp_shard_size >= 0,
+            f"--fsdp-shard-size must be >= 0 (got {self.fsdp_shard_size})",
+        )
+
+
+@dataclass(frozen=True)
 class MonitorConfig:
     """What each step's clocks show at a log interval (``dmltrain.features.monitor``)."""
 
@@ -712,6 +755,7 @@ SECTIONS: tuple[tuple[str, str, type], ...] = (
     ("averaging", "weight averaging (EMA)", EmaConfig),
     ("hang", "hang watchdog", HangConfig),
     ("profiling", "profiling", ProfilingConfig),
+    ("memory", "memory (models that do not fit)", MemoryConfig),
 )
 # Which section holds each setting (no two sections share a name, and no setting is
 # named like a section: config.NAME reads either).
@@ -740,6 +784,7 @@ class TrainConfig:
     averaging: EmaConfig  # not "ema": that is a setting (--ema, of --evaluate)
     hang: HangConfig
     profiling: ProfilingConfig
+    memory: MemoryConfig
 
     def __init__(self, **settings: Any) -> None:
         unknown = sorted(set(settings) - set(_SECTION_OF) - {attr for attr, _, _ in SECTIONS})

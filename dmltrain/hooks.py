@@ -102,6 +102,11 @@ class TrainerHooks(abc.ABC):
         """Modules that become FSDP units (then the root): children that own parameters."""
         return [child for child in model.children() if any(True for _ in child.parameters())]
 
+    def checkpointed_modules(self, model: nn.Module) -> list[nn.Module]:
+        """Modules whose activations ``--activation-checkpointing`` recomputes in the
+        backward (the blocks of a transformer, say): by default the FSDP units."""
+        return self.fsdp_units(model)
+
     def create_dataloader(self, dataset: Dataset, train: bool) -> DataLoader:
         """A loader of ``dataset``: dmltrain's samplers for a map-style one; for an
         ``IterableDataset``, one that saves the stream's position (``data.streams``)."""

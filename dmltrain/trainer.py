@@ -76,7 +76,7 @@ class BaseTrainer(TrainerSetup):
         self.environment = launch.run_environment()
         self.device = torch.device(self.dist.device)
         # Chosen (and checked) now, so bad settings fail before any process starts.
-        self.strategy = create_strategy(self.dist, self.config.distributed)
+        self.strategy = create_strategy(self.dist, self.config.distributed, self.config.memory)
         check_available(self.config.numerics.precision, self.device)
         profiling.check_available(self.config.profiling, self.device)
         self.config.profiling.profiled(dist.world_size)  # a rank beyond the job's is refused
@@ -185,8 +185,9 @@ class BaseTrainer(TrainerSetup):
                 self.dist.rank,
                 self.device,
                 self._state.global_step,
-                self.config.loop.batch_size,
-                self.config.precision,
+                self.config,
+                self.strategy.name,
+                profiling.training_state_bytes(self.model, self.optimizers),
             ) from exc
         except Exception as exc:
             self._tracker.finish()

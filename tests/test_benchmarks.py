@@ -20,7 +20,7 @@ def test_smoke_mode_writes_results_and_plot(tmp_path):
     results = (tmp_path / "RESULTS.md").read_text()
     for section in ("## Targets", "## overhead", "## startup", "## checkpoint", "## scaling",
                     "## nan_check", "## threads", "## data_pipeline",
-                    "## collectives", "## ema"):  # fmt: skip
+                    "## collectives", "## ema", "## big_models"):  # fmt: skip
         assert section in results, section
     targets = results.split("## Targets", 1)[1].split("## overhead", 1)[0]
     assert targets.count("| yes |") + targets.count("| NO |") >= 12

@@ -43,6 +43,8 @@ EXAMPLES = {
         "test_the_notebook_example_trains_on_two_processes",
     ("streaming.md", "## A climate archive in zarr"):
         "test_the_zarr_example_trains_on_two_processes_with_two_workers_each",
+    ("large-models.md", "## Activation checkpointing"):
+        "test_the_large_model_example_trains_in_pairs_of_shards_recomputed",
 }  # fmt: skip
 
 

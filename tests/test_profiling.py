@@ -79,8 +79,29 @@ def test_out_of_memory_is_one_line_with_the_batch_and_what_to_try(tmp_path):
     assert line.startswith("dmltrain: error: out of memory in step 5 on rank 0 with --batch-size 8")
     assert "no allocator snapshot (not on CUDA)" in line and "--grad-accum" in line
     assert "--precision bf16" in line and "checkpoints so far are intact" in line
+    # no snapshot to say what holds the memory: the activations' remedies first
+    assert line.index("--activation-checkpointing") < line.index("--strategy fsdp")
     state = load_file(tmp_path / "run" / "checkpoints" / "latest.pt")
     assert state["global_step"] == 4  # the work before it is kept
+
+
+def test_the_advice_names_sharding_first_when_the_training_state_holds_the_memory():
+    from dmltrain.config import TrainConfig
+    from dmltrain.features.profiling import memory_advice
+
+    plain = TrainConfig()
+    assert memory_advice(plain, "ddp", 0.8)[0].startswith("--strategy fsdp (with --fsdp-shard")
+    assert memory_advice(plain, "ddp", 0.2)[:2] == [
+        "--activation-checkpointing",
+        "a smaller --batch-size with --grad-accum to keep the global batch",
+    ]
+    assert memory_advice(plain, "ddp", None)[0] == "--activation-checkpointing"
+    hybrid = TrainConfig(fsdp_shard_size=4, activation_checkpointing=True, precision="bf16")
+    assert memory_advice(hybrid, "fsdp", 0.9) == [
+        "a larger --fsdp-shard-size than 4, or 0",
+        "--cpu-offload",
+        "or a smaller --batch-size with --grad-accum to keep the global batch",
+    ]
 
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -1,6 +1,7 @@
 """The README's commands and the Python examples of README.md and docs/ work as written
 (tests/test_docs.py holds every example of the docs to one of these)."""
 
+import math
 import re
 import subprocess
 import sys
@@ -183,3 +184,17 @@ def test_the_zarr_example_trains_on_two_processes_with_two_workers_each(tmp_path
     assert done.returncode == 0, done.stderr[-3000:]
     rows = read_training_log(run / "training_log.csv")
     assert [r["step"] for r in rows] == [5, 10]
+
+
+def test_the_large_model_example_trains_in_pairs_of_shards_recomputed(tmp_path):
+    """docs/large-models.md's transformer with the command the page shows, for one epoch."""
+    (tmp_path / "big.py").write_text(block("large-models.md", "## Activation checkpointing"))
+    run = tmp_path / "run"
+    done = subprocess.run(
+        ["dmltrain", "big.py", "--nprocs", "4", "--strategy", "fsdp", "--fsdp-shard-size", "2",
+         "--activation-checkpointing", "--epochs", "1", "--run-dir", str(run)],
+        cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = read_training_log(run / "training_log.csv")
+    assert row["world_size"] == 4 and row["train_loss"] < math.log(256) + 0.5

@@ -63,6 +63,13 @@ class TinyOptions:
         default=False,
         metadata={"help": "random augmentation in __getitem__ (torch, numpy and random)"},
     )
+    blocks: bool = field(
+        default=False,
+        metadata={
+            "help": "two blocks with dropout and buffers; built.RANK says on which "
+            "device each rank built the model, initial_weights.pt its first weights"
+        },
+    )
     wrapper_names: bool = field(
         default=False,
         metadata={"help": "a model whose submodules are named module and attn_module"},
@@ -156,6 +163,25 @@ class WrapperNames(nn.Module):
 
     def forward(self, x):
         return self.attn_module(torch.tanh(self.module(x)))
+
+
+class Block(nn.Module):
+    """A layer with its own dropout (drawn again when its activations are recomputed), a
+    batch norm (its statistics counted once all the same) and buffers, persistent or not
+    (sent to every rank by FSDP's sharded initialisation)."""
+
+    def __init__(self, features: int, dropout: float) -> None:
+        super().__init__()
+        self.linear = nn.Linear(features, 8)
+        self.norm = nn.BatchNorm1d(8)
+        self.dropout = nn.Dropout(dropout)
+        self.register_buffer("shift", torch.linspace(-0.1, 0.1, 8))
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 8), persistent=False)
+        self.forwards = 0  # twice a training step when its activations are recomputed
+
+    def forward(self, x):
+        self.forwards += 1
+        return self.dropout(torch.tanh(self.norm(self.linear(x))) * self.scale + self.shift)
 
 
 class SlowSamples(Dataset):
@@ -395,12 +421,23 @@ class TinyTrainer(BaseTrainer):
             atexit.register(lambda: open(note, "w").close())
         if self.opts.wrapper_names:
             return WrapperNames(self.opts.features)
+        if self.opts.blocks:
+            model = nn.Sequential(Block(self.opts.features, self.opts.dropout),
+                                  Block(8, self.opts.dropout), nn.Linear(8, 1))  # fmt: skip
+            device = next(model.parameters()).device.type
+            (self.run_dir / f"built.{self.dist.rank}").write_text(device)
+            return model
         layers = [nn.Linear(self.opts.features, 8), nn.Tanh(), nn.Linear(8, 1)]
         if self.opts.dropout:
             layers.insert(2, nn.Dropout(self.opts.dropout))
         return nn.Sequential(*layers)
 
     def on_train_start(self):
+        if self.opts.blocks and self.global_step == 0:
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            weights = get_model_state_dict(self.model, options=options)
+            if self.dist.is_main:
+                torch.save(weights, self.run_dir / "initial_weights.pt")
         if self.opts.own_names:  # names a user may pick that the engine used to own
             self.step, self.monitor, self.state = 0, "mine", {"seen": 0}
             self.budget, self.progress, self.checkpointer = 1.0, [], None
@@ -554,6 +591,11 @@ class TinyTrainer(BaseTrainer):
             self.strategy.eval_model(self.model)[-1].weight.grad[0, 0] = float("inf")
 
     def on_train_end(self):
+        if self.opts.blocks:
+            forwards = sum(
+                m.forwards for m in self.unwrapped_model.modules() if isinstance(m, Block)
+            )
+            (self.run_dir / f"forwards.{self.dist.rank}").write_text(str(forwards))
         if self.opts.own_names:
             mine = {"step": self.step, "monitor": self.monitor, "state": self.state,
                     "budget": self.budget, "progress": self.progress}  # fmt: skip

@@ -42,7 +42,7 @@ from dmltrain.features.watchdog import Watchdog
 from dmltrain.hooks import TrainerHooks
 from dmltrain.records import rundir
 from dmltrain.records.training_log import StepsLog
-from dmltrain.runtime import diagnostics, launch, preemption, threads
+from dmltrain.runtime import diagnostics, launch, preemption, sharding, threads
 from dmltrain.runtime.distributed import unwrap
 
 
@@ -87,13 +87,20 @@ class TrainerSetup(TrainingLoop):
         profiler = self._profiler_feature()  # before the model: its memory is recorded
         self._features = Features([profiler] if profiler is not None else [])
         torch.manual_seed(loop.seed)  # the same initial weights on every rank
-        model = self.create_model()
-        contract.model(model)
-        model = model.to(self.device)
-        rng.seed_everything(loop.seed + dist.rank)  # per-rank dropout, augmentation
-        self.model = self.strategy.wrap_model(
-            model, self.fsdp_units(model), self._precision.dtype, self.manual_optimization
+        self.model = sharding.place(
+            self.create_model,
+            contract.model,
+            self.checkpointed_modules,
+            lambda model: self.strategy.wrap_model(
+                model, self.fsdp_units(model), self._precision.dtype, self.manual_optimization
+            ),
+            cfg.memory,
+            self.strategy.name,
+            dist.rank,
+            dist.world_size,
+            self.device,
         )
+        rng.seed_everything(loop.seed + dist.rank)  # per-rank dropout, augmentation
         ema, avg = None, cfg.averaging
         if avg.ema_decay and not evaluating:
             ema = EMA(unwrap(self.model), avg.ema_decay, avg.ema_warmup_steps, avg.ema_every_steps)

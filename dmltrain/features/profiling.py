@@ -10,17 +10,19 @@ at step B, or at the end. Neither costs anything when not asked for: the loop ho
 ``Profiler`` then.
 
 A CUDA out-of-memory error becomes ``out_of_memory``'s one line: where the allocator's
-snapshot is, the batch size and what to try.
+snapshot is, the batch size, how much of the memory the training state holds and the flags
+to try, in the order that share makes likeliest to help.
 """
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor, nn
 
 from dmltrain import compat
-from dmltrain.config import ProfilingConfig
+from dmltrain.config import ProfilingConfig, TrainConfig
 from dmltrain.errors import UserError, first_line
 
 ROW_LIMIT = 15  # operators in the printed table
@@ -110,28 +112,80 @@ def out_of_memory(
     rank: int,
     device: torch.device,
     step: int,
-    batch_size: int,
-    precision: str,
+    config: TrainConfig,
+    strategy: str,
+    state_bytes: int,
 ) -> UserError:
     """The one line for a CUDA out-of-memory error at global step ``step``, after writing
-    the allocator's snapshot (its history too when ``--memory-snapshot`` recorded it)."""
-    where = "no allocator snapshot (not on CUDA)"
+    the allocator's snapshot (its history too when ``--memory-snapshot`` recorded it): what
+    the training state holds of the memory in use, and what to try in that light."""
+    where, allocated = "no allocator snapshot (not on CUDA)", 0
     if device.type == "cuda":
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"oom-rank-{rank}.pickle"
         try:
             compat.dump_memory_snapshot(str(path))
+            allocated = sum(s["allocated_size"] for s in torch.cuda.memory_snapshot())
             where = (
                 f"the allocator's snapshot is {path} (open it at https://pytorch.org/memory_viz)"
             )
         except Exception as failed:  # the dump itself may need memory
             where = f"no allocator snapshot ({type(failed).__name__}: {failed})"
-    tried = first_line(exc)
-    fixes = ["a smaller --batch-size with --grad-accum to keep the global batch"]
-    if precision == "fp32":
-        fixes.append("--precision bf16")
-    fixes.append("or activation checkpointing (torch.utils.checkpoint) in the model")
+    share = state_bytes / allocated if allocated else None
+    held = ""
+    if share is not None:
+        held = (
+            f"; weights, gradients and optimizer state hold {min(share, 1):.0%} of the "
+            f"{allocated / 2**30:.1f} GiB in use"
+        )
     return UserError(
-        f"out of memory in step {step + 1} on rank {rank} with --batch-size {batch_size} per "
-        f"process ({tried}); {where}; try {', '.join(fixes)}; the checkpoints so far are intact"
+        f"out of memory in step {step + 1} on rank {rank} with --batch-size {config.batch_size} "
+        f"per process ({first_line(exc)}){held}; {where}; try "
+        f"{', '.join(memory_advice(config, strategy, share))}; the checkpoints so far are intact"
     )
+
+
+def memory_advice(config: TrainConfig, strategy: str, state_share: float | None) -> list[str]:
+    """The flags that would lower the memory, not yet set, in the order most likely to help:
+    sharding first when the training state holds most of it (``state_share``), else what
+    shrinks the activations (also when the share is unknown: no snapshot)."""
+    memory = config.memory
+    activations = []
+    if not memory.activation_checkpointing:
+        activations.append("--activation-checkpointing")
+    activations.append("a smaller --batch-size with --grad-accum to keep the global batch")
+    if config.precision == "fp32":
+        activations.append("--precision bf16")
+    state = []
+    if strategy != "fsdp":
+        state.append(
+            "--strategy fsdp (with --fsdp-shard-size set to the GPUs of a node to keep its "
+            "all-gathers inside nodes)"
+        )
+    elif memory.fsdp_shard_size:
+        state.append(f"a larger --fsdp-shard-size than {memory.fsdp_shard_size}, or 0")
+    if not memory.cpu_offload:
+        state.append("--cpu-offload")
+    ordered = (
+        state + activations
+        if state_share is not None and state_share > 0.5
+        else activations + state
+    )
+    return [*ordered[:-1], f"or {ordered[-1]}"] if len(ordered) > 1 else ordered
+
+
+def training_state_bytes(model: nn.Module, optimizers: Sequence[Any]) -> int:
+    """Bytes this rank holds of the weights, their gradients and the optimizers' state
+    (its own shards under FSDP)."""
+
+    def local(tensor: Tensor) -> int:
+        part = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+        return part.numel() * part.element_size()
+
+    total = 0
+    for param in model.parameters():
+        total += local(param) + (local(param.grad) if param.grad is not None else 0)
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            total += sum(local(v) for v in state.values() if isinstance(v, Tensor))
+    return total

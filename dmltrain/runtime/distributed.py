@@ -24,10 +24,10 @@ from torch import Tensor, nn
 from torch.utils.data import Dataset, Sampler
 
 from dmltrain.compat import nccl_flight_recorder, uncompiled
-from dmltrain.config import DistConfig
+from dmltrain.config import DistConfig, MemoryConfig
 from dmltrain.data.samples import ResumableSampler, ShardSampler
 from dmltrain.errors import PeerFailed, PeerLost, UserError, first_line
-from dmltrain.runtime import launch, peers, preflight
+from dmltrain.runtime import launch, peers, preflight, sharding
 from dmltrain.runtime.launch import DistInfo, RunEnvironment, default_device, hostname
 
 
@@ -48,9 +48,13 @@ class Strategy:
 
     name = "single"
 
-    def __init__(self, info: DistInfo, config: DistConfig) -> None:
+    def __init__(
+        self, info: DistInfo, config: DistConfig, memory: MemoryConfig | None = None
+    ) -> None:
         self.info = info
         self.config = config
+        # FSDP's mesh and offload (dmltrain.runtime.sharding)
+        self.memory = memory if memory is not None else MemoryConfig()
         self.peers: list[tuple[str, int]] = []  # (host, pid) of every rank, gathered at setup
         self.store: Any = None  # the process group's key-value store (dist.TCPStore)
 
@@ -303,15 +307,20 @@ class FSDPStrategy(DDPStrategy):
         param_dtype: torch.dtype | None = None,
         manual: bool = False,
     ) -> nn.Module:
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         # Mixed precision the FSDP way: parameters gathered in the compute dtype,
         # gradients reduced in fp32.
-        policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        settings: dict[str, Any] = {
+            "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
+            "mesh": sharding.fsdp_mesh(self.memory, self.info.world_size, self.info.device),
+        }
+        if self.memory.cpu_offload:
+            settings["offload_policy"] = CPUOffloadPolicy()
         for unit in units:
-            fully_shard(unit, mp_policy=policy)
+            fully_shard(unit, **settings)
         if not manual or not units:
-            fully_shard(model, mp_policy=policy)
+            fully_shard(model, **settings)
         # manual: each unit is a root of its own, so a step may call any of them alone;
         # parameters outside them stay whole on every rank (average_gradients)
         return model
@@ -455,7 +464,7 @@ class HorovodStrategy(Strategy):
             self.hvd.shutdown()
 
 
-STRATEGIES: dict[str, Callable[[DistInfo, DistConfig], Strategy]] = {
+STRATEGIES: dict[str, Callable[[DistInfo, DistConfig, MemoryConfig], Strategy]] = {
     "single": Strategy,
     "ddp": DDPStrategy,
     "fsdp": FSDPStrategy,
@@ -477,7 +486,9 @@ def resolve_backend(backend: str, device: str) -> str:
     return backend
 
 
-def create_strategy(info: DistInfo, config: DistConfig) -> Strategy:
+def create_strategy(
+    info: DistInfo, config: DistConfig, memory: MemoryConfig | None = None
+) -> Strategy:
     name = config.strategy
     if name == "auto":
         name = "horovod" if info.launcher == "horovod" else "ddp" if info.distributed else "single"
@@ -490,7 +501,9 @@ def create_strategy(info: DistInfo, config: DistConfig) -> Strategy:
         backend = resolve_backend(config.backend, info.device)
         if backend == "nccl" and info.starts_workers:
             check_gpus_for_workers(info.workers, torch.cuda.device_count())
-    return STRATEGIES[name](info, config)
+    memory = memory if memory is not None else MemoryConfig()
+    sharding.check(memory, name, info.world_size, info.device)
+    return STRATEGIES[name](info, config, memory)
 
 
 def check_gpus_for_workers(workers: int, gpus: int) -> None:
