@@ -26,7 +26,7 @@ sys.path.insert(0, str(HERE.parent))
 from benchmarks.common import machine  # noqa: E402
 
 # Those whose quick mode still takes tens of seconds, and that have a smaller size (--smoke).
-SMOKE_SIZES = ("overhead", "scaling", "threads")
+SMOKE_SIZES = ("overhead", "scaling", "threads", "big_models")
 BENCHMARKS = [
     "overhead",
     "startup",
@@ -39,6 +39,7 @@ BENCHMARKS = [
     "ema",
     "monitor",
     "streaming",
+    "big_models",
 ]
 
 

@@ -296,7 +296,15 @@ def test_fsdp_writes_sharded_checkpoints_and_resumes_bit_exactly(fsdp_run, tmp_p
     assert files == [".metadata", "__0_0.distcp", "__1_0.distcp", "trainer.pt"]
     assert not list((fsdp_run / "checkpoints").glob("ckpt-*.pt"))
     run = tmp_path / "run"
-    args = [*FSDP, "--checkpoint-every-steps", "4", "--run-dir", str(run)]
+    # recomputed activations change nothing, stopped or not
+    args = [
+        *FSDP,
+        "--checkpoint-every-steps",
+        "4",
+        "--run-dir",
+        str(run),
+        "--activation-checkpointing",
+    ]
     stopped = run_cli(*args, "--signal-rank", "1", "--signal-at-step", "8", *AT_ONCE,
                       cwd=tmp_path)  # fmt: skip
     assert stopped.returncode == 3, stopped.stderr[-3000:]

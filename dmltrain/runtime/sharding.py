@@ -65,7 +65,7 @@ def place(
     whole = None
     if sharded and rank == 0:
         model, whole = take_whole(model)
-    elif not sharded:
+    elif not (sharded or memory.cpu_offload):  # offloaded: fully_shard moves a unit at a time
         model = model.to(device)
     if memory.activation_checkpointing:
         checkpoint_activations(checkpointed(model), "checkpointed_modules")
