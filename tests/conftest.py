@@ -28,6 +28,7 @@ LONGEST_FIRST = (
     "test_benchmarks",
     "test_checkpoint",
     "test_mnist_gan",
+    "test_sharding",
     "test_create_env",
     "test_slurm",
     "test_budget",

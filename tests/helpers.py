@@ -254,3 +254,17 @@ def release_requeues_until_done(
         time.sleep(1)
     log = (cwd / "job.out").read_text() if (cwd / "job.out").exists() else ""
     raise AssertionError(f"job {job} ended {job_field(job, 'JobState', env)}:\n{log[-3000:]}")
+
+
+class Counted:
+    """A store client that counts the requests it sends (set, get, add, check...)."""
+
+    REQUESTS = frozenset(("set", "get", "add", "check", "multi_get", "multi_set", "wait",
+                          "compare_set"))  # fmt: skip
+
+    def __init__(self, store) -> None:
+        self.store, self.requests = store, 0
+
+    def __getattr__(self, name):
+        self.requests += name in self.REQUESTS
+        return getattr(self.store, name)

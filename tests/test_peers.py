@@ -41,6 +41,33 @@ def test_roll_call_names_the_rank_that_never_checks_in():
     assert time.monotonic() - started < 5
 
 
+def test_each_rank_sends_a_few_requests_whatever_the_number_of_ranks():
+    """Rank 0 finds who did not check in and posts it; the others read that one key (each
+    checked every rank's key before: N requests a rank, N² at the store)."""
+    from helpers import Counted
+
+    for world in (2, 4, 8):
+        port = free_port()
+        stores = [Counted(dist.TCPStore("127.0.0.1", port, world, is_master=r == 0,
+                                        timeout=datetime.timedelta(seconds=10),
+                                        wait_for_workers=False))
+                  for r in range(world)]  # fmt: skip
+        found: list = [None] * world
+        late = world - 1  # never checks in
+
+        def call(r, stores=stores, found=found, world=world):
+            found[r] = roll_call(stores[r], r, world, window=2.0)
+
+        threads = [threading.Thread(target=call, args=(r,)) for r in range(late)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(15)
+        assert found[:late] == [[late]] * late, (world, found)
+        # the failure key, check-in, count, the finding
+        assert [s.requests for s in stores[1:late]] == [4] * (late - 1), world
+
+
 def test_a_store_that_does_not_answer_gives_none_in_time():
     port = free_port()
     master = store(port, True)

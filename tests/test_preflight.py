@@ -1,4 +1,5 @@
-"""dmltrain/runtime/preflight.py's decision on GPUs: each process of an NCCL job needs a
+"""dmltrain/runtime/preflight.py: its requests to the store, a few a rank whatever the
+number of ranks, and its decision on GPUs: each process of an NCCL job needs a
 GPU of its own. The shapes Slurm makes (no GPU here: the devices each task sees are
 given, and each rank picks its device as ``launch.default_device`` does)."""
 
@@ -52,3 +53,61 @@ def test_the_same_gpu_id_on_two_nodes_is_two_gpus(monkeypatch):
 def test_cpu_ranks_post_no_gpu():
     assert preflight.gpu(None) is None
     assert preflight._shared_gpu([{"host": "h", "gpu": None}] * 2) is None
+
+
+def preflight_of(world: int) -> tuple[list[int], list[str | None]]:
+    """``preflight.check`` on ``world`` ranks (threads, each with its own client of a real
+    TCPStore); each rank's requests and what it raised."""
+    import datetime
+    import threading
+
+    import torch.distributed as dist
+    from helpers import Counted
+
+    from dmltrain.errors import UserError
+    from dmltrain.runtime.launch import free_port
+
+    port = free_port()
+    timeout = datetime.timedelta(seconds=20)
+    stores = [Counted(dist.TCPStore("127.0.0.1", port, world, is_master=r == 0,
+                                    timeout=timeout, wait_for_workers=False))
+              for r in range(world)]  # fmt: skip
+    raised: list[str | None] = [None] * world
+
+    def rank(r: int) -> None:
+        try:
+            preflight.check(stores[r], r, world, f"node{r}", False)
+        except UserError as exc:
+            raised[r] = str(exc)
+
+    threads = [threading.Thread(target=rank, args=(r,), name=f"rank{r}") for r in range(world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    return [s.requests for s in stores], raised
+
+
+def test_the_store_serves_a_few_requests_a_rank_whatever_the_number_of_ranks(monkeypatch):
+    monkeypatch.setattr(preflight, "_resolves_to", lambda name: "10.0.0.1")
+    """Rank 0 reads every post in one request and posts one verdict: 2 requests a rank, 3
+    for rank 0 (each rank read every post before, N+1 a rank)."""
+    for world in (2, 4, 8):
+        requests, raised = preflight_of(world)
+        assert raised == [None] * world
+        assert requests == [3] + [2] * (world - 1), (world, requests)
+
+
+def test_a_problem_is_the_same_line_on_every_rank(monkeypatch):
+    import threading
+
+    def packages():  # rank 3 runs another torch
+        torch_version = "2.0.0" if threading.current_thread().name == "rank3" else "2.13.0"
+        return {"torch": torch_version, "dmltrain": "0.1.0", "horovod": None}
+
+    monkeypatch.setattr(preflight, "_packages", packages)
+    monkeypatch.setattr(preflight, "_resolves_to", lambda name: "10.0.0.1")
+    requests, raised = preflight_of(4)
+    assert len(set(raised)) == 1 and raised[0] is not None
+    assert raised[0].startswith("the nodes run different versions of torch"), raised[0]
+    assert requests[1:] == [3, 3, 3]  # the verdict read, then said read

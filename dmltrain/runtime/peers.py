@@ -8,6 +8,7 @@ looked up in ``/proc``: gone, or stopped (SIGSTOP). When the store itself does n
 answer, rank 0, which holds it, is the one this rank lost contact with.
 """
 
+import json
 import re
 import threading
 import time
@@ -65,20 +66,28 @@ def _within(seconds: float, ask: Callable[[], Any]) -> Any:
 
 
 def _roll_call(store: Any, rank: int, world_size: int, window: float) -> list[int] | None:
+    """Each rank checks in; rank 0, which holds the store, waits for them, finds who did
+    not and posts that, which the others read: a few requests a rank, not one a peer."""
     try:
         store.set_timeout(timedelta(seconds=5))
-        store.set(f"dmltrain/alive/{rank}", "1")
-        arrived = store.add("dmltrain/alive", 1)  # a count to poll, not world_size keys
+        store.set(f"{_ALIVE}/{rank}", "1")
+        if rank != 0:
+            store.add(_ALIVE, 1)  # a count for rank 0 to poll, not world_size keys
+            store.set_timeout(timedelta(seconds=window + 4))
+            return list(json.loads(store.get(_MISSING)))
         deadline = time.monotonic() + window
-        while arrived < world_size and time.monotonic() < deadline:
+        while store.add(_ALIVE, 0) < world_size - 1 and time.monotonic() < deadline:
             time.sleep(0.2)
-            arrived = store.add("dmltrain/alive", 0)
-        missing = [r for r in range(world_size) if not store.check([f"dmltrain/alive/{r}"])]
-        if rank == 0:  # the store lives in this process: the others may still be reading
-            time.sleep(1.0)
+        missing = [r for r in range(1, world_size) if not store.check([f"{_ALIVE}/{r}"])]
+        store.set(_MISSING, json.dumps(missing))
+        time.sleep(1.0)  # the store lives in this process: the others may still be reading
         return missing
     except Exception:  # a store that cannot be reached raises whatever its transport does
         return None
+
+
+_ALIVE = "dmltrain/alive"  # each rank's check-in, under its rank; their count
+_MISSING = "dmltrain/missing"  # rank 0's finding: the ranks that did not check in
 
 
 # A rank that fails in its own code says so here before it leaves; the others, whose

@@ -113,25 +113,33 @@ def check(
     nccl_device: str | None = None,
 ) -> None:
     """Every rank posts its host, the address its name resolves to, its versions and its
-    GPU, reads everyone's, and raises the same UserError on every rank when something is
-    wrong. ``interface_set``: GLOO_SOCKET_IFNAME chooses the address, so the name's does
-    not matter."""
+    GPU; rank 0 reads them all in one request and posts one verdict, which every rank reads
+    and raises as the same UserError when something is wrong: 3 requests a rank, not N
+    (the store's load grows as N, not N²). ``interface_set``: GLOO_SOCKET_IFNAME chooses
+    the address, so the name's does not matter."""
     mine = {"host": here, "address": _resolves_to(here), "versions": _packages(),
             "gpu": gpu(nccl_device)}  # fmt: skip
-    store.set(f"dmltrain/preflight/{rank}", json.dumps(mine))
-    keys = [f"dmltrain/preflight/{r}" for r in range(world_size)]
-    ranks = [json.loads(store.get(key)) for key in keys]
-    store.add(_READ, 1)
-    problem = _problem(ranks, interface_set)
-    if problem is not None:
-        if rank == 0:  # the store leaves with rank 0: the others read everything first
-            deadline = time.monotonic() + 30.0
-            while store.add(_READ, 0) < world_size and time.monotonic() < deadline:
-                time.sleep(0.05)
-        raise UserError(problem)
+    store.set(f"{_POST}/{rank}", json.dumps(mine))
+    if rank == 0:  # multi_get waits for every key
+        posts = store.multi_get([f"{_POST}/{r}" for r in range(world_size)])
+        problem = _problem([json.loads(post) for post in posts], interface_set)
+        store.set(_VERDICT, json.dumps(problem))
+    else:
+        problem = json.loads(store.get(_VERDICT))
+    if problem is None:
+        return
+    if rank == 0:  # the store leaves with rank 0: the others read the verdict first
+        deadline = time.monotonic() + 30.0
+        while store.add(_READ, 0) < world_size - 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    else:
+        store.add(_READ, 1)
+    raise UserError(problem)
 
 
-_READ = "dmltrain/preflight-read"  # how many ranks have read every rank's post
+_POST = "dmltrain/preflight"  # each rank's post, under its rank
+_VERDICT = "dmltrain/preflight-verdict"  # rank 0's: null, or the problem's line
+_READ = "dmltrain/preflight-read"  # how many ranks other than 0 have read a problem
 
 
 def _problem(ranks: list[dict[str, Any]], interface_set: bool) -> str | None:
