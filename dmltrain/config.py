@@ -706,7 +706,7 @@ class MonitorConfig:
         default=1.2,
         metadata={
             "help": "warn about a rank slower than the median of the others by this factor for two "
-            "log intervals (every rank's numbers: RUN_DIR/ranks.csv)"
+            "log intervals (every rank's numbers of such intervals: RUN_DIR/ranks.csv)"
         },
     )
 

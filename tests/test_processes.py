@@ -227,3 +227,18 @@ def test_on_gpus_forks_train_and_a_kernel_that_used_cuda_gets_the_line(tmp_path)
         assert len(errors) == 1 and "CUDA was already used here" in errors[0]["evalue"], errors
     finally:
         kernel.close()
+
+
+def test_the_open_files_limit_is_raised_to_what_the_site_allows():
+    """A soft limit of 256 under a hard one of 4,096 (as clusters set them): a rank opens
+    a socket a peer and more, so the soft limit is raised to the hard one at start."""
+    import resource
+
+    def low() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, 4096))
+
+    code = "from dmltrain.runtime.processes import raise_open_files_limit as r; print(r())"
+    done = subprocess.run([sys.executable, "-c", code], preexec_fn=low, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "4096"

@@ -256,7 +256,8 @@ def wait_for_line(proc: subprocess.Popen, text: str) -> None:
     for line in proc.stdout:
         if text in line:
             return
-    raise AssertionError(f"the run ended before printing {text!r}")
+    err = proc.stderr.read()[-3000:] if proc.stderr is not None else ""
+    raise AssertionError(f"the run ended before printing {text!r}: {err}")
 
 
 def ends(procs: list[subprocess.Popen], within: float) -> list[tuple[int, str, str]]:

@@ -298,15 +298,22 @@ class Checkpointer:
         cfg = self.config
         resume, load_weights = cfg.resume, cfg.load_weights
         choice: str | None = None
-        if self.dist.is_main:
+        failed: str | None = None
+        if self.dist.is_main:  # rank 0 checks the checkpoint; the others read its verdict
             if resume == "auto":
                 choice = self._latest()
             elif resume != "never":
                 choice = resume
-        choice = self.strategy.broadcast_object(choice)
+                try:
+                    load_file(Path(choice))
+                except UserError as exc:
+                    failed = str(exc)
+        choice, failed = self.strategy.broadcast_object((choice, failed))
+        if failed is not None:
+            raise UserError(failed)
         if choice is not None:
             path = Path(choice)
-            state = load_file(path)
+            state = load_file(path, check_shards=False)
             self._check_resumable(state, path)
             self._load(state, path, EVERYTHING)
             s = self.saved.state
@@ -345,8 +352,8 @@ class Checkpointer:
             raise UserError(
                 f"--on-nan rollback: no checkpoint in {self.files.directory} to roll back to"
             )
-        path = Path(choice)
-        self._load(load_file(path), path, EVERYTHING)
+        path = Path(choice)  # checked by rank 0 (_latest)
+        self._load(load_file(path, check_shards=False), path, EVERYTHING)
         self.saved.state.skip_steps.add((epoch, step))
         self.say(f"dmltrain: rolled back to {path}; epoch {epoch} step {step} will be skipped")
         self.loaded(path)
@@ -436,7 +443,8 @@ class Checkpointer:
         model = unwrap(saved.model)
         own = shapes_of(model.state_dict())
         if state.get("sharded"):
-            check_model_fits(own, sharded_shapes(path), path)
+            shapes = state.get("shapes") or sharded_shapes(path, check_shards=False)
+            check_model_fits(own, shapes, path)
             model_state, optim_state = dcp().get_state_dict(saved.model, _dcp_optim(saved))
             shards: dict[str, Any] = {"model": model_state}
             if optimizer:

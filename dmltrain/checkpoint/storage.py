@@ -122,11 +122,14 @@ def is_sharded(path: Path) -> bool:
     return path.is_dir()
 
 
-def load_file(path: Path) -> dict[str, Any]:
-    """Load a checkpoint (weights only); a clear UserError if it is unreadable.
+def load_file(path: Path, check_shards: bool = True) -> dict[str, Any]:
+    """Load a checkpoint (weights only, memory-mapped: the ranks of a node share its
+    pages, and a tensor is read only when it is copied into the model); a clear UserError
+    if it is unreadable.
 
     For a sharded checkpoint this is ``trainer.pt`` with ``model`` and ``optimizer`` set
-    to None (``load_sharded`` reads them), once the shards are checked to be complete.
+    to None (``load_sharded`` reads them) and the model's ``shapes``, once the shards are
+    checked to be complete (``check_shards``: one rank's stat() of every shard suffices).
     """
     if not path.exists():
         raise UserError(f"checkpoint {path} does not exist")
@@ -136,9 +139,9 @@ def load_file(path: Path) -> dict[str, Any]:
             "(RUN_DIR/checkpoints/latest.pt), or --run-dir RUN_DIR to go on with a run"
         )
     if is_sharded(path):
-        sharded_shapes(path)  # raises if shards are missing or truncated
+        shapes = sharded_shapes(path, check_shards=check_shards)  # raises if torn
         state = _load(path / SHARDED_META, path)
-        state.update(model=None, optimizer=None, sharded=True)
+        state.update(model=None, optimizer=None, sharded=True, shapes=shapes)
     else:
         state = _load(path, path)
     if "model" not in state:
@@ -156,7 +159,7 @@ def _load(file: Path, checkpoint: Path) -> dict[str, Any]:
         if handle.read(4) not in (b"PK\x03\x04", b""):  # empty: a truncated one
             raise UserError(f"{checkpoint} is not a checkpoint (not a file that torch.save wrote)")
     try:
-        state = torch.load(file, map_location="cpu", weights_only=True)
+        state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:
         if "Weights only load failed" in str(exc):  # a pickle with more than tensors
             raise UserError(f"{checkpoint} is not a checkpoint that dmltrain wrote") from None
@@ -167,9 +170,12 @@ def _load(file: Path, checkpoint: Path) -> dict[str, Any]:
     return state
 
 
-def sharded_shapes(path: Path, prefix: str = "model.") -> dict[str, tuple[int, ...]]:
-    """Model parameter shapes of a sharded checkpoint, after checking all its shards exist
-    and are long enough (a cheap test for a torn or truncated save)."""
+def sharded_shapes(
+    path: Path, prefix: str = "model.", check_shards: bool = True
+) -> dict[str, tuple[int, ...]]:
+    """Model parameter shapes of a sharded checkpoint, after checking (``check_shards``)
+    all its shards exist and are long enough (a cheap test for a torn or truncated save:
+    a stat() a shard)."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -182,7 +188,7 @@ def sharded_shapes(path: Path, prefix: str = "model.") -> dict[str, tuple[int, .
     for info in metadata.storage_data.values():
         end = info.offset + info.length
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
-    for name, size in needed.items():
+    for name, size in needed.items() if check_shards else ():
         shard = path / name
         if not shard.is_file() or shard.stat().st_size < size:
             raise UserError(f"checkpoint {path} is incomplete or corrupt (shard {name})")

@@ -42,7 +42,7 @@ from dmltrain.features.watchdog import Watchdog
 from dmltrain.hooks import TrainerHooks
 from dmltrain.records import rundir
 from dmltrain.records.training_log import StepsLog
-from dmltrain.runtime import diagnostics, launch, preemption, sharding, threads
+from dmltrain.runtime import diagnostics, launch, preemption, processes, sharding, threads
 from dmltrain.runtime.distributed import unwrap
 
 
@@ -58,6 +58,7 @@ class TrainerSetup(TrainingLoop):
 
     def setup(self) -> None:
         """Processes, run directory, model, data, optimizer, state: everything ``fit`` needs."""
+        processes.raise_open_files_limit()  # before any peer's socket is opened
         self.dist = self.strategy.setup(self.environment)
         self.device = torch.device(self.dist.device)
         cfg, loop, dist = self.config, self.config.loop, self.dist
@@ -296,6 +297,7 @@ class TrainerSetup(TrainingLoop):
         self._monitor = Monitor(
             self._step_clock,
             self.strategy.max_over_ranks,
+            self.strategy.sum_over_ranks,
             dist.rank,
             [entry["host"] for entry in self._ranks],
             cfg.monitoring.straggler_factor,

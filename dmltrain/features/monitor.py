@@ -6,8 +6,11 @@ the loss: no collective runs there under DDP, so a slow rank's own work shows in
 GPU, CUDA events around it, read at the log interval, as the host only queues kernels).
 Nothing is synchronised per step.
 
-At each log interval, one small collective (on the control group) gathers every rank's
-means; rank 0 then
+At each log interval, two small collectives of a fixed size (on the control group) bring
+the largest share of time spent waiting for data, the slowest rank and the sum of every
+rank's time: the same few numbers whatever the number of ranks. Every rank's numbers are
+gathered only when the slowest is slower than the mean of the others by
+``--straggler-factor``. Rank 0 then
 
 - adds ``steps_per_s``, ``data_wait`` (the share of the interval spent waiting for
   batches, the slowest rank's: the others wait for it) and, where the experiment states
@@ -18,7 +21,7 @@ means; rank 0 then
 - warns when a rank's own time (data wait + ``train_step``) exceeds the median of the
   other ranks' by ``--straggler-factor`` for ``STALL_INTERVALS`` intervals in a row,
   naming the rank, its host and whether data or compute made it slow; and writes every
-  rank's numbers to ``RUN_DIR/ranks.csv``.
+  rank's numbers of those intervals to ``RUN_DIR/ranks.csv``.
 """
 
 import csv
@@ -33,7 +36,9 @@ import torch
 
 STALL_SHARE = 0.2  # of the interval's time spent waiting for data
 STALL_INTERVALS = 2  # in a row, before a warning
-_US = 1e5  # the collective's unit: 10 us (an int32 holds 5.9 hours)
+_US = 1e5  # the collectives' unit of time: 10 us
+_PPM = 1_000_000  # of a share
+_RANKS = 2**20  # the slowest rank rides in the low bits of its time (int64)
 
 
 def _ticks(seconds: float) -> int:
@@ -161,7 +166,8 @@ class Monitor:
     """The log interval's numbers of all ranks (``interval``, every rank calls it)."""
 
     clock: StepClock
-    gather: Callable[[list[int]], list[int]]  # element-wise max over the ranks
+    max_over_ranks: Callable[[list[int]], list[int]]  # element-wise, over the ranks
+    sum_over_ranks: Callable[[list[int]], list[int]]
     rank: int
     hosts: list[str]  # of every rank
     factor: float  # --straggler-factor
@@ -175,26 +181,37 @@ class Monitor:
     # warned of (other processes on its cores are the usual cause, and it passes)
     say: Callable[[str], None] | None = None
     _stalled: int = 0
-    _slow: dict[int, int] = field(default_factory=dict)  # rank -> intervals in a row
+    _slow: tuple[int, int] = (-1, 0)  # the slowest rank, and for how many intervals in a row
     _warned: set[Any] = field(default_factory=set)
 
     def interval(self, step: int) -> dict[str, float]:
-        """Every rank, at the log interval: one collective. Rank 0 gets the values to
-        show and track; the others an empty dict."""
+        """Every rank, at the log interval: two collectives of a fixed size (the largest
+        data-wait share and the slowest rank; the sum of the ranks' times), and every
+        rank's numbers only when one rank is slower than the mean of the others by the
+        factor. Rank 0 gets the values to show and track; the others an empty dict."""
         if not self.clock.timing:  # --no-monitor
             return {}
         steps, seconds, wait, compute = self.clock.read()
-        world = len(self.hosts)
-        mine = [0] * (3 * world)
-        mine[3 * self.rank : 3 * self.rank + 3] = [_ticks(seconds), _ticks(wait), _ticks(compute)]
-        table = self.gather(mine)
+        world, own = len(self.hosts), _ticks(wait + compute)
+        share = int(wait / seconds * _PPM) if seconds > 0 else 0
+        most, slowest = self.max_over_ranks([share, own * _RANKS + self.rank])
+        (total,) = self.sum_over_ranks([own])
+        slowest, slow_own = slowest % _RANKS, slowest // _RANKS
+        others = (total - slow_own) / (world - 1) if world > 1 else 0.0
+        per_rank = None
+        if others > 0 and slow_own > self.factor * others:  # the same on every rank
+            table = [0] * (3 * world)
+            table[3 * self.rank : 3 * self.rank + 3] = [
+                _ticks(seconds), _ticks(wait), _ticks(compute)
+            ]  # fmt: skip
+            table = self.max_over_ranks(table)
+            per_rank = [
+                (table[3 * r] / _US, table[3 * r + 1] / _US, table[3 * r + 2] / _US)
+                for r in range(world)
+            ]
         if self.rank != 0 or steps == 0 or seconds <= 0:
             return {}
-        per_rank = [
-            (table[3 * r] / _US, table[3 * r + 1] / _US, table[3 * r + 2] / _US)
-            for r in range(world)
-        ]
-        waiting = max(w / s for s, w, _ in per_rank if s > 0)
+        waiting = most / _PPM
         values = {"steps_per_s": steps / seconds, "data_wait": waiting}
         if self.flops_per_sample and self.global_batch:
             achieved = self.flops_per_sample * self.global_batch * steps / seconds / world
@@ -202,7 +219,7 @@ class Monitor:
             if self.peak:
                 values["mfu"] = achieved / self.peak
         self._check_stall(waiting, steps / seconds)
-        self._check_stragglers(step, steps, per_rank)
+        self._check_straggler(step, steps, per_rank)
         return values
 
     def _check_stall(self, waiting: float, steps_per_s: float) -> None:
@@ -215,45 +232,51 @@ class Monitor:
                 f"{waiting:.0%}, {steps_per_s:.3g} steps/s); {self.workers_hint}"
             )
 
-    def _check_stragglers(
-        self, step: int, steps: int, per_rank: list[tuple[float, float, float]]
+    def _check_straggler(
+        self, step: int, steps: int, per_rank: list[tuple[float, float, float]] | None
     ) -> None:
-        """A rank slower than the median of the others by the factor, two intervals in a
-        row (with 2 ranks, the other one)."""
-        own = [wait + compute for _, wait, compute in per_rank]
+        """The rank slower than the median of the others by the factor, two intervals in a
+        row (with 2 ranks, the other one); ``per_rank``: every rank's numbers, gathered
+        only when one looked slow."""
+        if per_rank is None:
+            self._slow = (-1, 0)
+            return
         if self.ranks_csv is not None:
             self._write(step, steps, per_rank)
-        for rank, value in enumerate(own):
-            others = [r for r in range(len(own)) if r != rank]
-            if not others:
-                return
-            median = statistics.median(own[r] for r in others)
-            slow = median > 0 and value > self.factor * median
-            self._slow[rank] = self._slow.get(rank, 0) + 1 if slow else 0
-            if self._slow[rank] >= STALL_INTERVALS and ("slow", rank) not in self._warned:
-                self._warned.add(("slow", rank))
-                _, wait, compute = per_rank[rank]
-                mid_wait = statistics.median(per_rank[r][1] for r in others)
-                mid_compute = statistics.median(per_rank[r][2] for r in others)
-                cause = "data" if wait - mid_wait > compute - mid_compute else "compute"
-                numbers = (
-                    f"({cause}: {wait / steps * 1e3:.1f} ms waiting for data and "
-                    f"{compute / steps * 1e3:.1f} ms in train_step a step, against "
-                    f"{mid_wait / steps * 1e3:.1f} and {mid_compute / steps * 1e3:.1f} ms)"
-                )
-                if len(set(self.hosts)) == 1 and self.say is not None:
-                    self.say(
-                        f"dmltrain: straggler: rank {rank} is {value / median:.2f}x slower than "
-                        f"the others {numbers}; they share {self.hosts[rank]}, where other "
-                        "processes on its cores (another job on a shared node) are the usual "
-                        f"cause, and it passes when they end ({self.ranks_csv})"
-                    )
-                    continue
-                self.warn(
-                    f"straggler: rank {rank} on {self.hosts[rank]} is {value / median:.2f}x "
-                    f"slower than the median of the other ranks {numbers}; every rank waits "
-                    f"for it ({self.ranks_csv})"
-                )
+        own = [wait + compute for _, wait, compute in per_rank]
+        rank = max(range(len(own)), key=own.__getitem__)
+        others = [r for r in range(len(own)) if r != rank]
+        median = statistics.median(own[r] for r in others)
+        if not (median > 0 and own[rank] > self.factor * median):
+            self._slow = (-1, 0)
+            return
+        self._slow = (rank, self._slow[1] + 1 if self._slow[0] == rank else 1)
+        if self._slow[1] < STALL_INTERVALS or ("slow", rank) in self._warned:
+            return
+        self._warned.add(("slow", rank))
+        _, wait, compute = per_rank[rank]
+        mid_wait = statistics.median(per_rank[r][1] for r in others)
+        mid_compute = statistics.median(per_rank[r][2] for r in others)
+        cause = "data" if wait - mid_wait > compute - mid_compute else "compute"
+        numbers = (
+            f"({cause}: {wait / steps * 1e3:.1f} ms waiting for data and "
+            f"{compute / steps * 1e3:.1f} ms in train_step a step, against "
+            f"{mid_wait / steps * 1e3:.1f} and {mid_compute / steps * 1e3:.1f} ms)"
+        )
+        value = own[rank]
+        if len(set(self.hosts)) == 1 and self.say is not None:
+            self.say(
+                f"dmltrain: straggler: rank {rank} is {value / median:.2f}x slower than "
+                f"the others {numbers}; they share {self.hosts[rank]}, where other "
+                "processes on its cores (another job on a shared node) are the usual "
+                f"cause, and it passes when they end ({self.ranks_csv})"
+            )
+            return
+        self.warn(
+            f"straggler: rank {rank} on {self.hosts[rank]} is {value / median:.2f}x "
+            f"slower than the median of the other ranks {numbers}; every rank waits "
+            f"for it ({self.ranks_csv})"
+        )
 
     def _write(self, step: int, steps: int, per_rank: list[tuple[float, float, float]]) -> None:
         assert self.ranks_csv is not None

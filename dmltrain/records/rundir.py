@@ -35,7 +35,10 @@ FILES: dict[str, str] = {
     "world_size, epoch_time_s",
     "steps.csv": "step scalars every --log-every steps (loss, steps_per_s, data_wait, "
     "samples_per_s, lr, ...)",
-    "ranks.csv": "with 2 or more processes: each rank's time a step, data wait and train_step",
+    "ranks.csv": (
+        "each rank's time a step, data wait and train_step, in the log intervals where one "
+        "rank was slow"
+    ),
     "checkpoints/": "ckpt-<epoch>-<global step>.pt, latest.pt, best.pt (.dcp folders when sharded)",
     "tensorboard/": "with --tracker tensorboard",
     "wandb/": "with --tracker wandb",

@@ -134,6 +134,10 @@ class Strategy:
         no GPU sync."""
         return values
 
+    def sum_over_ranks(self, values: list[int]) -> list[int]:
+        """Element-wise sum over ranks, as ``max_over_ranks``."""
+        return values
+
     def metric_gather(self) -> Callable[..., list[Tensor]] | None:
         """How a torchmetrics state is gathered from every rank (``gather(tensor, group)``
         -> one tensor a rank); None: torchmetrics' own, over torch.distributed."""
@@ -268,8 +272,14 @@ class DDPStrategy(Strategy):
         return tensor
 
     def max_over_ranks(self, values: list[int]) -> list[int]:
-        tensor = torch.tensor(values, dtype=torch.int32)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=self.control)
+        return self._over_ranks(values, dist.ReduceOp.MAX)
+
+    def sum_over_ranks(self, values: list[int]) -> list[int]:
+        return self._over_ranks(values, dist.ReduceOp.SUM)
+
+    def _over_ranks(self, values: list[int], op: Any) -> list[int]:
+        tensor = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(tensor, op=op, group=self.control)
         return [int(v) for v in tensor.tolist()]
 
     def broadcast_object(self, obj: Any) -> Any:
@@ -434,8 +444,12 @@ class HorovodStrategy(Strategy):
         return self.hvd.allreduce(tensor, op=self.hvd.Sum)
 
     def max_over_ranks(self, values: list[int]) -> list[int]:
-        tensor = torch.tensor(values, dtype=torch.int32)
+        tensor = torch.tensor(values, dtype=torch.int64)
         return [int(v) for v in self.hvd.allreduce(tensor, op=self.hvd.Max).tolist()]
+
+    def sum_over_ranks(self, values: list[int]) -> list[int]:
+        tensor = torch.tensor(values, dtype=torch.int64)
+        return [int(v) for v in self.hvd.allreduce(tensor, op=self.hvd.Sum).tolist()]
 
     def metric_gather(self) -> Callable[..., list[Tensor]] | None:
         def gather(tensor: Tensor, group: Any = None) -> list[Tensor]:

@@ -202,6 +202,20 @@ def exit_on_error(fn: Callable[[], object], rank: int, world_size: int) -> NoRet
     leave(run_reporting_errors(fn, rank, world_size))
 
 
+def raise_open_files_limit() -> int:
+    """The soft limit of open files raised to the hard one, returned. Sockets to peers,
+    a loader's workers and checkpoint shards are files: a soft limit of 1,024, common on
+    clusters, is near what a large job opens, and the hard limit is what the site allows."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        wanted = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
+        with contextlib.suppress(ValueError, OSError):  # a system's own ceiling
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
 def started_by_launcher(info: DistInfo) -> bool:
     """Whether this process is one rank of a job that a launcher (torchrun, srun,
     mpirun, horovodrun) started, and so ran collectives (a torch process group, or
