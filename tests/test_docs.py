@@ -194,7 +194,8 @@ def test_the_reference_names_every_entry_of_a_run_directory(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     entries = {p.name + ("/" if p.is_dir() else "") for p in run.iterdir()}
     assert entries <= set(FILES), entries - set(FILES)
-    assert {"config.yaml", "outcome.json", "checkpoints/", "tensorboard/", "ranks.csv"} <= entries
+    # (ranks.csv is written only in a log interval where one rank was slow)
+    assert {"config.yaml", "outcome.json", "checkpoints/", "tensorboard/"} <= entries
 
 
 def test_the_methods_table_names_every_method_a_subclass_may_write():
