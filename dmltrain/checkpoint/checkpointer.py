@@ -36,7 +36,6 @@ from dmltrain.checkpoint.storage import (
     load_file,
     load_latest_valid,
     load_sharded,
-    sharded_shapes,
 )
 from dmltrain.config import CheckpointConfig
 from dmltrain.data.rng import rng_state, seed_everything, set_rng_state
@@ -299,13 +298,16 @@ class Checkpointer:
         resume, load_weights = cfg.resume, cfg.load_weights
         choice: str | None = None
         failed: str | None = None
+        checked: dict[str, Any] | None = None  # rank 0's load of the checkpoint it checked
         if self.dist.is_main:  # rank 0 checks the checkpoint; the others read its verdict
             if resume == "auto":
-                choice = self._latest()
+                found = load_latest_valid(self.files.directory, self.warn)
+                if found is not None:
+                    choice, checked = str(found[0]), found[1]
             elif resume != "never":
                 choice = resume
                 try:
-                    load_file(Path(choice))
+                    checked = load_file(Path(choice))
                 except UserError as exc:
                     failed = str(exc)
         choice, failed = self.strategy.broadcast_object((choice, failed))
@@ -313,7 +315,7 @@ class Checkpointer:
             raise UserError(failed)
         if choice is not None:
             path = Path(choice)
-            state = load_file(path, check_shards=False)
+            state = checked if checked is not None else load_file(path, check_shards=False)
             self._check_resumable(state, path)
             self._load(state, path, EVERYTHING)
             s = self.saved.state
@@ -443,8 +445,7 @@ class Checkpointer:
         model = unwrap(saved.model)
         own = shapes_of(model.state_dict())
         if state.get("sharded"):
-            shapes = state.get("shapes") or sharded_shapes(path, check_shards=False)
-            check_model_fits(own, shapes, path)
+            check_model_fits(own, state["shapes"], path)  # read by load_file
             model_state, optim_state = dcp().get_state_dict(saved.model, _dcp_optim(saved))
             shards: dict[str, Any] = {"model": model_state}
             if optimizer:

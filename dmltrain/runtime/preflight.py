@@ -114,9 +114,9 @@ def check(
 ) -> None:
     """Every rank posts its host, the address its name resolves to, its versions and its
     GPU; rank 0 reads them all in one request and posts one verdict, which every rank reads
-    and raises as the same UserError when something is wrong: 3 requests a rank, not N
-    (the store's load grows as N, not N²). ``interface_set``: GLOO_SOCKET_IFNAME chooses
-    the address, so the name's does not matter."""
+    and raises as the same UserError when something is wrong: 2 requests a rank (3 for
+    rank 0), not N+1 (the store's load grows as N, not N²). ``interface_set``:
+    GLOO_SOCKET_IFNAME chooses the address, so the name's does not matter."""
     mine = {"host": here, "address": _resolves_to(here), "versions": _packages(),
             "gpu": gpu(nccl_device)}  # fmt: skip
     store.set(f"{_POST}/{rank}", json.dumps(mine))
