@@ -130,7 +130,6 @@ QUICK = (
     "test_sharding.py::test_the_refusal_is_one_line",
     "test_sharding.py::test_a_model_that_needs_real_tensors_names_the_way_out",
     "test_sharding.py::test_recomputed_blocks_draw_the_same_dropout_and_count_each_batch_once",
-    "test_sharding.py::test_a_ddp_checkpoint_resumes_under_hsdp",
     "test_profiling.py::test_the_advice_names_sharding_first_when_the_training_state_holds_the_memory",
     "test_sweep_submit.py::test_an_experiment_file_started_as_a_script_sweeps_here",
 )
