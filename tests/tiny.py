@@ -39,6 +39,9 @@ class TinyOptions:
     pause_at_step: int = field(default=0, metadata={"help": "sleep in this global step's"})
     pause_seconds: float = field(default=0.0, metadata={"help": "... train_step this long"})
     pause_rank: int = field(default=-1, metadata={"help": "... on this rank (-1: every rank)"})
+    pause_stops: bool = field(
+        default=False, metadata={"help": "... by stopping itself (SIGSTOP) instead: a frozen rank"}
+    )
     data_sleep: float = field(
         default=0.0, metadata={"help": "seconds to sleep loading each training sample"}
     )
@@ -172,7 +175,10 @@ class Block(nn.Module):
 
     def __init__(self, features: int, dropout: float) -> None:
         super().__init__()
-        self.linear = nn.Linear(features, 8)
+        # No bias before the batch norm: its gradient would be rounding noise alone, which
+        # Adam scales up to steps of the learning rate, so that runs meant to agree within
+        # rounding (an optimizer stepping on the CPU against one on the GPU) would not.
+        self.linear = nn.Linear(features, 8, bias=False)
         self.norm = nn.BatchNorm1d(8)
         self.dropout = nn.Dropout(dropout)
         self.register_buffer("shift", torch.linspace(-0.1, 0.1, 8))
@@ -534,6 +540,8 @@ class TinyTrainer(BaseTrainer):
         if self.dist.rank == o.slow_rank:
             time.sleep(o.slow_seconds)  # a straggler
         if self.global_step + 1 == o.pause_at_step and o.pause_rank in (-1, self.dist.rank):
+            if o.pause_stops:  # its threads stop too: no stack, no answer
+                os.kill(os.getpid(), signal.SIGSTOP)
             time.sleep(o.pause_seconds)  # a long step, or a rank blocked (a hang)
         if self.global_step + 1 == o.oom_at_step:
             if self.device.type == "cuda":
