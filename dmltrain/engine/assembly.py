@@ -323,6 +323,7 @@ class TrainerSetup(TrainingLoop):
             cfg.hang,
             cfg.distributed.dist_timeout,
             self.strategy.flight_recorder(),
+            self.strategy.peers,
         )
         return WatchdogFeature(watchdog)
 

@@ -13,11 +13,17 @@ also the flight recorder's dump (``nccl-rank-N.pkl``).
 
 Then the run ends with the lost-peer exit status (5), which the batch scripts requeue:
 
-- where the other ranks wait in a collective for a hung rank, the collective gives up
-  (``--dist-timeout``), and their one line (``PeerLost``) names the ranks that are not
-  where the others are, and where they are (``explain``);
-- where no collective gives up (every rank stuck outside one), after a grace period
-  rank 0 prints that line itself and every rank leaves with status 5.
+- where the stacks name a culprit (a rank inside ``train_step`` or at another step than
+  the others, or one that wrote no stack: stopped, or its node gone), at once: rank 0
+  reads the stacks (up to ``GATHER_SECONDS``), prints the line that names it and every
+  rank leaves with status 5. The run ends at the timeout plus that gathering, not after
+  a collective gives up (``--dist-timeout``, minutes). When rank 0 is the silent one, the
+  lowest rank that wrote its stack reports in its place;
+- where every rank waits in the same place (a network fault: a collective cannot
+  complete), the collective gives up (``--dist-timeout``) and its roll call names the
+  ranks that stopped answering (``explain`` adds where the ranks stand); where none
+  gives up (every rank stuck outside one), after a grace period rank 0 prints the line
+  itself and every rank leaves with status 5.
 
 The thread only reads: the loop does not wait for it, and it costs nothing per step.
 The watch starts after the first step (which may compile) and pauses around validation
@@ -34,7 +40,7 @@ import threading
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +49,7 @@ from dmltrain.config import HANG_AUTO_FLOOR, HANG_AUTO_SHARE, HANG_MULTIPLE, Han
 from dmltrain.errors import EXIT_PEER_LOST, PeerLost
 from dmltrain.features.monitor import StepClock
 from dmltrain.runtime.launch import DistInfo
+from dmltrain.runtime.peers import local_state
 
 
 def limits(hang_timeout: float, dist_timeout: float) -> tuple[float, float]:
@@ -55,7 +62,11 @@ def limits(hang_timeout: float, dist_timeout: float) -> tuple[float, float]:
     return min(HANG_AUTO_FLOOR, ceiling), ceiling
 
 
-GATHER_SECONDS = 30.0  # rank 0 waits this long for the other ranks' files
+# Rank 0 waits this long for the other ranks' files. Every rank's watch fires within a
+# step of the others' (the timeout is at least 20 steps), so a rank whose file is still
+# missing after this wrote none.
+GATHER_SECONDS = 15.0
+SILENT_NAMED = 8  # the silent ranks a line names, then a count
 GRACE = 30.0  # after --dist-timeout: for a collective to give up (and its roll call)
 
 
@@ -73,11 +84,15 @@ class Watchdog:
         say: Callable[[str], None],
         nccl_dump: Callable[[], bytes] | None = None,
         leave: Callable[[int], Any] = os._exit,
+        peers: Sequence[tuple[str, int]] = (),
+        dist_timeout: float = float("inf"),
     ) -> None:
         self.clock, self.directory = clock, run_dir / "hang"
         self.rank, self.world_size, self.host = rank, world_size, host
         self.minimum, self.ceiling, self.grace = timeout, ceiling, grace
         self.say, self.nccl_dump, self.leave = say, nccl_dump, leave
+        self.peers = peers  # (host, pid) of every rank: where a silent rank is
+        self.dist_timeout = dist_timeout  # when a collective waiting for a hung rank gives up
         self.fired = False  # this rank's stack is written
         self._paused = 0
         self._stop = threading.Event()
@@ -93,6 +108,7 @@ class Watchdog:
         config: HangConfig,
         dist_timeout: float,
         nccl_dump: Callable[[], bytes] | None,
+        peers: Sequence[tuple[str, int]] = (),
     ) -> "Watchdog":
         """A rank's watchdog by the run's --hang-timeout and --dist-timeout; a hang's
         line goes to stderr."""
@@ -109,9 +125,20 @@ class Watchdog:
             grace,
             lambda line: print(line, file=sys.stderr, flush=True),
             nccl_dump,
+            peers=peers,
+            dist_timeout=dist_timeout if dist.world_size > 1 else float("inf"),
         )
 
     def start(self) -> None:
+        """Watch from here. Rank 0 first moves an earlier job's ``hang/`` (a hang that was
+        requeued) to ``hang-TIME/``: its stacks and report are kept, and not read as this
+        job's. (The other ranks write theirs a timeout after a step at the earliest.)"""
+        if self.rank == 0 and self.directory.is_dir():
+            stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(self.directory.stat().st_mtime))
+            kept = self.directory.with_name(f"hang-{stamp}")
+            with contextlib.suppress(OSError):  # another job's clean-up got there first
+                self.directory.rename(kept if not kept.exists() else kept.with_name(
+                    f"{kept.name}-{os.getpid()}"))  # fmt: skip
         self._thread.start()
 
     def stop(self) -> None:
@@ -144,6 +171,11 @@ class Watchdog:
             elif stalled_at is None and waited > self.timeout():
                 self._write_stack()
                 stalled_at = clock.last_end
+                if self._report_a_culprit(waited):
+                    return
+            elif stalled_at is not None and (self.directory / "report.txt").exists():
+                self.leave(EXIT_PEER_LOST)  # another rank reported in rank 0's place
+                return
             elif stalled_at is not None and waited > self.timeout() + self.grace:
                 # no collective gave up (that path reports, in ``explain``): stop here
                 self._stop_run(waited)
@@ -174,19 +206,50 @@ class Watchdog:
                 (self.directory / f"nccl-rank-{self.rank}.pkl").write_bytes(self.nccl_dump())
         self.fired = True
 
+    def _report_a_culprit(self, waited: float) -> bool:
+        """Where the stacks name a rank that is not where the others are, rank 0 says so
+        and every rank leaves with status 5 (then this does not return); False when every
+        rank waits in the same place, for the collective's roll call to name who is lost,
+        and when the collective would give up before the stacks are gathered.
+
+        The other ranks only look for rank 0's report (and, if rank 0 wrote no stack, for
+        the stacks of the ranks below them): no rank but the reporter reads every file."""
+        if waited + GATHER_SECONDS >= self.dist_timeout:
+            return False  # the collective gives up first, and its line names the same
+        report = self.directory / "report.txt"
+        if self.rank != 0:
+            deadline = time.monotonic() + GATHER_SECONDS + 5.0
+            while not report.exists() and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if report.exists():
+                self.leave(EXIT_PEER_LOST)
+                return True
+            below = (self.directory / f"rank-{r}.txt" for r in range(self.rank))
+            if any(path.exists() for path in below):
+                return False  # rank 0 (or one below this) found no culprit: it reports
+        where, steps, named = self._where(GATHER_SECONDS)
+        if not named:
+            return False
+        self._leave_with(report, waited, where, steps)
+        return True
+
+    def _leave_with(self, report: Path, waited: float, where: str, steps: int) -> None:
+        line = (
+            f"dmltrain: hang: no step ended for {waited:.0f} s (timeout "
+            f"{self.timeout():.0f} s, after {steps} step(s)): {where}; exit status "
+            f"{EXIT_PEER_LOST}: requeue to resume from the last checkpoint"
+        )
+        report.write_text(line + "\n")
+        self.say(line)
+        time.sleep(1.0)  # the others see the report and leave first: no rank is killed
+        self.leave(EXIT_PEER_LOST)
+
     def _stop_run(self, waited: float) -> None:
         """Every rank stuck outside collectives: rank 0 says where, all leave with 5."""
         report = self.directory / "report.txt"
         if self.rank == 0:
-            where, steps = self.where(GATHER_SECONDS)
-            line = (
-                f"dmltrain: hang: no step ended for {waited:.0f} s (timeout "
-                f"{self.timeout():.0f} s, after {steps} step(s)): {where}; exit status "
-                f"{EXIT_PEER_LOST}: requeue to resume from the last checkpoint"
-            )
-            report.write_text(line + "\n")
-            self.say(line)
-            time.sleep(1.0)  # the others see the report and leave first: no rank is killed
+            where, steps, _ = self._where(GATHER_SECONDS)
+            self._leave_with(report, waited, where, steps)
         else:  # leave after rank 0 has read this rank's file (or gave up waiting)
             deadline = time.monotonic() + 2 * GATHER_SECONDS
             while not report.exists() and time.monotonic() < deadline:
@@ -198,13 +261,14 @@ class Watchdog:
         line also says where the ranks that are not where the others are stand."""
         if not self.fired:
             return lost
-        where, _ = self.where(5.0)
+        where, _, _ = self._where(5.0)
         return PeerLost(f"{lost}; {where}")
 
-    def where(self, patience: float) -> tuple[str, int]:
+    def _where(self, patience: float) -> tuple[str, int, bool]:
         """Who is not where the others are (inside ``train_step`` while the others wait in
-        the step's collectives, or at another step), and the others' step count, from the
-        ranks' files (waiting up to ``patience`` seconds for them)."""
+        the step's collectives, at another step, or silent: no file), the others' step
+        count, and whether any rank is so named, from the ranks' files (waiting up to
+        ``patience`` seconds for them)."""
         deadline = time.monotonic() + patience
         found: dict[int, dict[str, Any]] = {}
         while True:
@@ -230,11 +294,25 @@ class Watchdog:
             + f" at {r['frame']}"
             for r in sorted(odd, key=lambda r: r["rank"])
         ]
-        silent = [str(rank) for rank in range(self.world_size) if rank not in found]
+        silent = [rank for rank in range(self.world_size) if rank not in found]
         if silent:
-            parts.append(f"no stack from rank(s) {', '.join(silent)}")
+            parts.append(f"no stack from {self._silent(silent)}")
         who = "; ".join(parts) or "every rank waits in the same place"
-        return f"{who} (every rank's stack: {self.directory})", most
+        return f"{who} (every rank's stack: {self.directory})", most, bool(parts)
+
+    def _silent(self, ranks: list[int]) -> str:
+        """The ranks that wrote no stack, with their hosts, and how a rank of this host is
+        (stopped, gone): the first few, then a count."""
+        named = []
+        for rank in ranks[:SILENT_NAMED]:
+            if rank >= len(self.peers):
+                named.append(f"rank {rank}")
+                continue
+            host, pid = self.peers[rank]
+            state = local_state(pid) if host == self.host else "not answering"
+            named.append(f"rank {rank} on {host} ({state})")
+        more = len(ranks) - SILENT_NAMED
+        return ", ".join(named) + (f" and {more} more" if more > 0 else "")
 
 
 def _user_frame(frames: Iterable[traceback.FrameSummary]) -> str:

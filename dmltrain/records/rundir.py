@@ -45,7 +45,8 @@ FILES: dict[str, str] = {
     "mlflow/": "with --tracker mlflow: the journal of what was sent (journal.jsonl, runs.json)",
     "profile/": "with --profile-steps: the torch profiler's traces; memory-rank-N.pickle "
     "with --memory-snapshot",
-    "hang/": "after a hang: rank-N.txt (where each rank was, its stacks) and report.txt",
+    "hang/": "after a hang: rank-N.txt (where each rank was, its stacks) and report.txt; "
+    "an earlier job's, once the run resumed: hang-TIME/",
     "nan_report.txt": "when --check-nans found a NaN or Inf",
     "eval_metrics.json": "from --evaluate CKPT: the val_* and test_* metrics",
     "predictions/": "from --predict CKPT: rank-N.pt and predictions.pt (in dataset order)",
