@@ -52,6 +52,15 @@ def nccl_flight_recorder() -> Callable[[], bytes] | None:
     return getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)
 
 
+def set_group_timeout(timeout: Any, group: Any = None) -> None:
+    """Change a process group's collective timeout after it was made
+    (``_set_pg_timeout``, which torchtitan uses the same way: a long one while the job
+    starts, a shorter one for training). No public call changes it."""
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d._set_pg_timeout(timeout, group)
+
+
 def record_memory_history(max_entries: int | None) -> None:
     """Start (``max_entries``) or stop (None) CUDA's allocation history: the private
     ``torch.cuda.memory._record_memory_history`` is the documented way (PyTorch's "Understanding

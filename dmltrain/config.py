@@ -269,6 +269,15 @@ class DistConfig:
             "rank 0 does long work alone: checkpoints of a very large model)"
         },
     )
+    init_timeout: float = field(
+        default=600.0,
+        metadata={
+            "help": "seconds the ranks wait for each other while the job starts (the "
+            "rendezvous, the process group, setup and resume up to the first step), apart "
+            "from --dist-timeout: large jobs start slowly (a shared file system read by "
+            "every rank)"
+        },
+    )
     status_file: str | None = field(
         default=None,
         metadata={
@@ -285,6 +294,10 @@ class DistConfig:
         check(
             0 < self.dist_timeout <= 86400,
             f"--dist-timeout must be positive seconds, at most a day (got {self.dist_timeout})",
+        )
+        check(
+            0 < self.init_timeout <= 86400,
+            f"--init-timeout must be positive seconds, at most a day (got {self.init_timeout})",
         )
 
 

@@ -190,6 +190,7 @@ BAD_FLAGS = [
      "--profile-ranks 7: this run has 1 process(es), ranks 0 to 0"),
     (["--preempt-check-seconds", "inf"], "--preempt-check-seconds must be a number >= 0"),
     (["--dist-timeout", "inf"], "--dist-timeout must be positive seconds, at most a day"),
+    (["--init-timeout", "0"], "--init-timeout must be positive seconds, at most a day"),
     (["--hang-timeout", "inf"], "--hang-timeout must be a number >= 0"),
     (["--preempt-signals", "SIGTERM,SIGKILL"], "--preempt-signals: SIGKILL cannot be caught"),
 ]  # fmt: skip

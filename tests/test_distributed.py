@@ -218,6 +218,35 @@ def test_survivors_exit_on_their_own_when_a_rank_is_killed(tmp_path):
     assert f"[rank 0] stopping: lost contact with rank 1 on {here} (gone)" in err0
 
 
+def test_a_late_rank_is_waited_for_by_init_timeout_then_dist_timeout_applies(tmp_path):
+    """Rank 1 starts 12 s after rank 0, with --dist-timeout 4: the start waits for it
+    (--init-timeout 60) and the run trains. Once started, rank 1 blocked for 30 s in
+    train_step is a lost peer after --dist-timeout: rank 0 stops long before 30 s."""
+    options = ["--dist-timeout", "4", "--init-timeout", "60", "--no-hang-watchdog",
+               "--pause-at-step", "6", "--pause-rank", "1", "--pause-seconds", "30",
+               "--run-dir", str(tmp_path / "run")]  # fmt: skip
+    env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    command = [*DMLTRAIN, *ARGS, *options]
+    procs = [subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=cli_env(**env, RANK="0", LOCAL_RANK="0"))]  # fmt: skip
+    try:
+        time.sleep(12)
+        procs.append(subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True,
+                                      env=cli_env(**env, RANK="1", LOCAL_RANK="1")))  # fmt: skip
+        started = time.monotonic()
+        out0, err0 = procs[0].communicate(timeout=120)
+        stopped = time.monotonic() - started
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.communicate()
+    assert procs[0].returncode == 5, err0[-3000:]
+    assert "step 4/" in out0  # trained after the late start
+    assert "[rank 0] stopping: lost contact with rank 1" in err0
+    assert stopped < 30, stopped  # the pause's 30 s: --dist-timeout, not --init-timeout
+
+
 def test_backend_mpi_without_torch_mpi_is_a_clear_error(tmp_path):
     if torch.distributed.is_mpi_available():
         pytest.skip("this torch was built with MPI")

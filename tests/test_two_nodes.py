@@ -432,7 +432,7 @@ def test_different_versions_on_the_nodes_are_named(two_nodes, tmp_path):
 
 def test_a_rendezvous_that_a_node_cannot_reach_is_named(two_nodes, tmp_path):
     """node2 is given an address for the rendezvous that does not answer."""
-    procs = start_on_nodes([*TINY, "--dist-timeout", "10"], tmp_path / "run",
+    procs = start_on_nodes([*TINY, "--init-timeout", "10"], tmp_path / "run",
                            rank1={"MASTER_ADDR": "10.213.0.99"})  # fmt: skip
     first, second = misconfigured(procs, 10 + 30)
     assert "rank 0 on node1: not every rank reached the rendezvous at 10.213.0.11:" in first

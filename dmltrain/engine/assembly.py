@@ -187,6 +187,7 @@ class TrainerSetup(TrainingLoop):
         self._checkpointer.before_save = lambda: self._fire(self._events.on_save_checkpoint)
         self._checkpointer.loaded = lambda path: self._fire(self._events.on_load_checkpoint, path)
         self._checkpointer.restore()
+        self.strategy.started()
         if evaluating:
             return
         self._budget = Budget(

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.data import Dataset, Sampler
 
+from dmltrain import compat
 from dmltrain.compat import nccl_flight_recorder, uncompiled
 from dmltrain.config import DistConfig, MemoryConfig
 from dmltrain.data.samples import ResumableSampler, ShardSampler
@@ -60,6 +61,10 @@ class Strategy:
 
     def setup(self, environment: RunEnvironment | None = None) -> DistInfo:
         return self.info
+
+    def started(self) -> None:
+        """The job has started (set up, resumed): collectives now wait --dist-timeout,
+        no longer --init-timeout."""
 
     def backend(self) -> str:
         """The collective backend in use (after setup)."""
@@ -197,7 +202,8 @@ class DDPStrategy(Strategy):
         backend = resolve_backend(self.config.backend, self.info.device)
         if self.info.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(self.info.device))
-        timeout = datetime.timedelta(seconds=self.config.dist_timeout)
+        # Until started(): the job's start, when ranks arrive late, has its own timeout.
+        timeout = datetime.timedelta(seconds=self.config.init_timeout)
         if backend == "nccl":  # its collectives recorded, for a hang's report (watchdog)
             launch.enable_flight_recorder()
         info = self.info
@@ -208,7 +214,7 @@ class DDPStrategy(Strategy):
             info.world_size,
             info.master_addr,
             info.master_port,
-            self.config.dist_timeout,
+            self.config.init_timeout,
             interface,
             info.agent_store_attempt,
             info.device if backend == "nccl" else None,
@@ -223,8 +229,17 @@ class DDPStrategy(Strategy):
         self.peers = self.all_gather_object((hostname(), os.getpid()))
         # Control messages (preemption agreement) go over Gloo on the CPU, so they never
         # wait for the GPU stream.
-        self.control = dist.new_group(backend="gloo") if backend == "nccl" else None
+        self.control = (
+            dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
+        )
         return self.info
+
+    def started(self) -> None:
+        timeout = datetime.timedelta(seconds=self.config.dist_timeout)
+        compat.set_group_timeout(timeout)
+        if self.control is not None:
+            compat.set_group_timeout(timeout, self.control)
+        self.store.set_timeout(timeout)
 
     def wrap_model(
         self,

@@ -1,7 +1,7 @@
 """Checks across the job's hosts before the first collective, one line each naming the node.
 
 The ranks meet at the rendezvous (the TCPStore at MASTER_ADDR) before the process group
-connects them to each other. What would make that connection hang for ``--dist-timeout``
+connects them to each other. What would make that connection hang for ``--init-timeout``
 and then fail with a backend's message is checked here, through the store:
 
 - a rank that cannot reach the rendezvous, or a rendezvous that not every rank reaches;
@@ -75,12 +75,13 @@ def _rendezvous_failed(
     if rank == 0:
         return UserError(
             f"rank 0 on {here}: not every rank reached the rendezvous at {where} within "
-            f"{seconds:g} s ({first_line(exc)}): the others cannot reach this address "
-            "(MASTER_ADDR) or did not start"
+            f"{seconds:g} s (--init-timeout; {first_line(exc)}): the others cannot reach "
+            "this address (MASTER_ADDR) or did not start"
         )
     return UserError(
         f"rank {rank} on {here} cannot reach the rendezvous at {where} (MASTER_ADDR) "
-        f"within {seconds:g} s: check that the nodes can reach each other at that address"
+        f"within {seconds:g} s (--init-timeout): check that the nodes can reach each other "
+        "at that address"
     )
 
 
