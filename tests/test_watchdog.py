@@ -54,16 +54,18 @@ def test_a_blocked_rank_is_named_with_its_stack_and_the_run_stops_for_requeue(tm
     assert waiting["in_train_step_s"] is None and waiting["steps"] == 4
 
 
-@pytest.mark.parametrize("frozen", [1, 0])
-def test_a_frozen_rank_is_named_with_its_host_and_the_run_stops_within_a_minute(tmp_path,
-                                                                              frozen):  # fmt: skip
+@pytest.mark.parametrize(("frozen", "timeout"), [(1, "20"), (0, "10")])
+def test_a_frozen_rank_is_named_with_its_host_and_the_run_stops_within_a_minute(
+    tmp_path, frozen, timeout
+):
     """One of 2 ranks stops itself (SIGSTOP: its watchdog thread too, so it writes no
-    stack) with --hang-timeout 20 and the default --dist-timeout (300 s). The other names
-    it, its host and its state, and leaves with status 5 within 60 s. When rank 0 is the
-    frozen one, rank 1 reports in its place. The frozen rank is killed by the test (under
-    srun, by --wait; under torchrun, by its agent)."""
+    stack) with --hang-timeout 20 (10 for rank 0, to save time) and the default
+    --dist-timeout (300 s). The other names it, its host and its state, and leaves with
+    status 5 within 60 s. When rank 0 is the frozen one, rank 1 reports in its place.
+    The frozen rank is killed by the test (under srun, by --wait; under torchrun, by its
+    agent)."""
     run = tmp_path / "run"
-    args = ["tiny", *BASE[3:], "--hang-timeout", "20", "--pause-at-step", "5", "--pause-stops",
+    args = ["tiny", *BASE[3:], "--hang-timeout", timeout, "--pause-at-step", "5", "--pause-stops",
             "--pause-seconds", "1", "--pause-rank", str(frozen), "--run-dir", str(run)]  # fmt: skip
     ranks = start_ranks([sys.executable, "-m", "dmltrain", *args], tmp_path)
     survivor = ranks[1 - frozen]
