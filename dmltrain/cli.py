@@ -36,7 +36,7 @@ from dmltrain.errors import (
     forget_interrupt,
     run_reporting_errors,
 )
-from dmltrain.records.files import NotWritten, status_record, write_atomic
+from dmltrain.records.files import NotWritten, write_status
 from dmltrain.runtime import processes
 from dmltrain.trainer import BaseTrainer
 
@@ -415,23 +415,14 @@ def _check_status_file(path: str | None) -> None:
 
 def _write_status(path: Path, status: int, trainer: BaseTrainer) -> bool:
     """Rank 0's exit status, and how many checkpoints this job saved (the batch scripts
-    requeue a job that loses nodes only while it makes progress). Another rank writes a
-    lost peer's status only where rank 0 has not (rank 0 may be the one lost): rank 0's
-    status, written as it leaves, is the job's. Whether the file holds it now."""
-    saved = getattr(getattr(trainer, "checkpointer", None), "written", 0)
-    text = status_record(status, saved)
+    requeue a job that loses nodes only while it makes progress), or another rank's lost
+    peer (``write_status``). Whether the file holds the job's status now."""
+    saved = getattr(getattr(trainer, "_checkpointer", None), "written", 0)  # 0: none made
     try:
-        if trainer.dist.rank == 0:
-            write_atomic(path, text)
-        else:
-            with open(path, "x") as handle:
-                handle.write(text)
-    except FileExistsError:
-        pass
-    except (OSError, NotWritten) as exc:
-        why = exc if isinstance(exc, NotWritten) else f"cannot write {path}: {exc.strerror}"
+        write_status(path, status, saved, trainer.dist.rank == 0)
+    except NotWritten as exc:
         print(
-            f"dmltrain: error: --status-file: {why}; the exit status is {status}", file=sys.stderr
+            f"dmltrain: error: --status-file: {exc}; the exit status is {status}", file=sys.stderr
         )
         return False
     return True
@@ -487,7 +478,10 @@ def main(argv: Sequence[str] | None = None, experiments: Sequence[Experiment] = 
     trainer.name = experiment.name
     status = run_reporting_errors(trainer.fit, trainer.dist.rank, trainer.dist.world_size)
     held = True  # whether the status file holds the job's status (rank 0 writes it)
-    if config.status_file and (trainer.dist.rank == 0 or status == EXIT_PEER_LOST):
+    # A lost peer's status is this rank's to write only where rank 0 may be the one lost:
+    # where rank 0's store still answered, rank 0 writes it (it may still be saving).
+    lost = status == EXIT_PEER_LOST and not trainer.strategy.rank0_alive
+    if config.status_file and (trainer.dist.rank == 0 or lost):
         held = _write_status(Path(config.status_file), status, trainer)
     if processes.started_by_launcher(trainer.dist):
         if status == EXIT_REQUEUE and config.status_file and held:

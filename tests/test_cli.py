@@ -16,6 +16,7 @@ from torch.utils.data import TensorDataset
 
 from dmltrain import BaseTrainer, register_experiment
 from dmltrain.cli import main, parse
+from dmltrain.records.files import read_status_record
 from dmltrain.records.training_log import read_training_log
 from tiny import EXPERIMENT as TINY
 
@@ -295,3 +296,14 @@ def test_a_run_dir_that_is_a_file_is_one_line(tmp_path, nprocs):
     (line,) = done.stderr.strip().splitlines()
     assert f"--run-dir {tmp_path / 'notes'} is a file, not a directory" in line
     assert (tmp_path / "notes").read_text() == "not a run\n"
+
+
+def test_the_status_file_counts_the_checkpoints_this_job_saved(tmp_path):
+    """--status-file holds the exit status and the checkpoints this job saved, which the
+    batch scripts read to requeue a job that keeps losing nodes only while it makes
+    progress: a job of one epoch (of 3) saves one and exits 3."""
+    status = tmp_path / "status"
+    args = ["tiny", "--epochs", "3", "--epochs-per-job", "1", "--progress", "off",
+            "--status-file", str(status), "--run-dir", str(tmp_path / "run")]  # fmt: skip
+    assert main(args, experiments=[TINY]) == 3
+    assert read_status_record(status) == (3, 1)

@@ -30,6 +30,7 @@ from helpers import (
 )
 
 from dmltrain.errors import UserError
+from dmltrain.records.files import read_status_record
 from dmltrain.records.training_log import read_training_log
 from dmltrain.runtime.launch import free_port
 from tiny import TinyOptions, TinyTrainer, tiny_data
@@ -245,6 +246,32 @@ def test_a_late_rank_is_waited_for_by_init_timeout_then_dist_timeout_applies(tmp
     assert "step 4/" in out0  # trained after the late start
     assert "[rank 0] stopping: lost contact with rank 1" in err0
     assert stopped < 30, stopped  # the pause's 30 s: --dist-timeout, not --init-timeout
+
+
+def test_a_rank_0_that_works_alone_is_not_reported_lost_by_the_others(tmp_path):
+    """Rank 0 blocks for 25 s (a save that outlasts --dist-timeout): rank 1's collective
+    gives up, its roll call finds rank 0's store answering, and it leaves saying rank 0 is
+    busy without writing --status-file (the batch scripts end the step on a 5 there);
+    rank 0 writes the job's status itself when it finds rank 1 gone."""
+    status = tmp_path / "status"
+    options = ["--dist-timeout", "5", "--no-hang-watchdog", "--pause-at-step", "3",
+               "--pause-rank", "0", "--pause-seconds", "25", "--status-file", str(status),
+               "--run-dir", str(tmp_path / "run")]  # fmt: skip
+    procs = start_ranks(DMLTRAIN + ARGS + options, tmp_path)
+    try:
+        _, err1 = procs[1].communicate(timeout=60)
+        assert procs[0].poll() is None and not status.exists()  # rank 0 still at work
+        _, err0 = procs[0].communicate(timeout=60)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.communicate()
+    assert procs[1].returncode == 5, err1[-3000:]
+    here = socket.gethostname()
+    assert f"[rank 1] stopping: lost contact with rank 0 on {here} (alive, busy" in err1
+    assert procs[0].returncode == 5, err0[-3000:]
+    assert f"[rank 0] stopping: lost contact with rank 1 on {here} (gone)" in err0
+    assert read_status_record(status) == (5, 0)
 
 
 def test_backend_mpi_without_torch_mpi_is_a_clear_error(tmp_path):

@@ -11,7 +11,7 @@ import time
 import torch.distributed as dist
 
 from dmltrain.runtime.launch import free_port
-from dmltrain.runtime.peers import describe, local_state, means_lost, roll_call
+from dmltrain.runtime.peers import Rank0Busy, describe, local_state, means_lost, roll_call
 
 
 def store(port: int, master: bool) -> dist.TCPStore:
@@ -76,6 +76,21 @@ def test_a_store_that_does_not_answer_gives_none_in_time():
     started = time.monotonic()
     assert roll_call(client, 1, 2, window=1.0) is None
     assert time.monotonic() - started < 1.0 + 6.0 + 1.0
+
+
+def test_a_rank_0_whose_store_answers_but_that_calls_no_roll_is_busy_not_lost():
+    """Rank 0's process is there (its store answers) but its main thread works alone (a
+    long save): the others' roll call says so, and rank 0 writes the job's status."""
+    port = free_port()
+    master, client = store(port, True), store(port, False)
+    started = time.monotonic()
+    found = roll_call(client, 1, 2, window=1.0)
+    assert isinstance(found, Rank0Busy), found
+    assert time.monotonic() - started < 1.0 + 6.0 + 1.0
+    here = socket.gethostname()
+    line = describe(RuntimeError("Timed out"), found, [(here, 1), (here, 2)], 1, here)
+    assert line.startswith(f"lost contact with rank 0 on {here} (alive, busy: its store "), line
+    del master
 
 
 def test_local_state_and_the_line():

@@ -6,8 +6,11 @@ The order of every random draw and collective here is part of the bitwise promis
 seed, ``create_model``, per-rank seed, wrap, EMA copy, compile, loaders, optimizers.
 """
 
+import contextlib
 import dataclasses
+import os
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,6 +44,7 @@ from dmltrain.features.tracking import create_trackers
 from dmltrain.features.watchdog import Watchdog
 from dmltrain.hooks import TrainerHooks
 from dmltrain.records import rundir
+from dmltrain.records.files import write_status
 from dmltrain.records.training_log import StepsLog
 from dmltrain.runtime import diagnostics, launch, preemption, processes, sharding, threads
 from dmltrain.runtime.distributed import unwrap
@@ -325,8 +329,18 @@ class TrainerSetup(TrainingLoop):
             cfg.distributed.dist_timeout,
             self.strategy.flight_recorder(),
             self.strategy.peers,
+            self._leave_for_a_hang,
         )
         return WatchdogFeature(watchdog)
+
+    def _leave_for_a_hang(self, status: int) -> None:
+        """The watchdog ends the process from its thread (the main one is stuck): the
+        job's status goes to --status-file first, which the batch scripts end the step on."""
+        path = self.config.distributed.status_file
+        if path:
+            with contextlib.suppress(Exception):  # leaving matters more than the record
+                write_status(Path(path), status, self._checkpointer.written, self.dist.is_main)
+        os._exit(status)
 
     def _start_records(self, plain: dict[str, Any]) -> StepsLogFeature | None:
         """config.yaml, diagnostics, steps.csv and the tracker (rank 0); the Slurm deadline

@@ -109,9 +109,10 @@ class Watchdog:
         dist_timeout: float,
         nccl_dump: Callable[[], bytes] | None,
         peers: Sequence[tuple[str, int]] = (),
+        leave: Callable[[int], Any] = os._exit,
     ) -> "Watchdog":
         """A rank's watchdog by the run's --hang-timeout and --dist-timeout; a hang's
-        line goes to stderr."""
+        line goes to stderr; ``leave`` ends the process (with the job's status recorded)."""
         shortest, longest = limits(config.hang_timeout, dist_timeout)
         grace = dist_timeout + GRACE if dist.world_size > 1 else 0.0  # no collective
         return cls(
@@ -125,6 +126,7 @@ class Watchdog:
             grace,
             lambda line: print(line, file=sys.stderr, flush=True),
             nccl_dump,
+            leave,
             peers=peers,
             dist_timeout=dist_timeout if dist.world_size > 1 else float("inf"),
         )

@@ -55,6 +55,23 @@ def status_record(status: int, saved: int) -> str:
     return f"{status}\n{saved}\n"
 
 
+def write_status(path: Path, status: int, saved: int, main: bool) -> None:
+    """``--status-file``: rank 0's (``main``) status replaces what is there; another rank's
+    (a lost peer's, since rank 0 may be the one lost) is written only where none is, for
+    rank 0's, written as it leaves, is the job's. ``NotWritten`` when it cannot be."""
+    text = status_record(status, saved)
+    if main:
+        write_atomic(path, text)
+        return
+    try:
+        with open(path, "x") as handle:
+            handle.write(text)
+    except FileExistsError:
+        pass
+    except OSError as exc:
+        raise NotWritten(why_not_written(path, exc)) from None
+
+
 def read_status_record(path: Path) -> tuple[int, int] | None:
     """``status_record``'s two numbers, or None where the file is missing or not one."""
     try:

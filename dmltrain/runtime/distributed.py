@@ -57,6 +57,9 @@ class Strategy:
         # FSDP's mesh and offload (dmltrain.runtime.sharding)
         self.memory = memory if memory is not None else MemoryConfig()
         self.peers: list[tuple[str, int]] = []  # (host, pid) of every rank, gathered at setup
+        # After a lost peer: whether rank 0's process was still there (its store answered
+        # the roll call), so that it, not this rank, writes the job's status (cli).
+        self.rank0_alive = False
         self.store: Any = None  # the process group's key-value store (dist.TCPStore)
 
     def setup(self, environment: RunEnvironment | None = None) -> DistInfo:
@@ -176,6 +179,7 @@ class Strategy:
         here, rank = hostname(), self.info.rank
         if self.store is not None:
             missing = peers.roll_call(self.store, rank, self.info.world_size, window=10.0)
+            self.rank0_alive = missing is not None
             if isinstance(missing, str):  # a rank failed in its own code and said so
                 return PeerFailed(
                     f"{missing}; not a lost node, so nothing is requeued: fix it, then run "

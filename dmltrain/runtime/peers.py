@@ -13,6 +13,7 @@ import re
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -40,10 +41,20 @@ def means_lost(exc: BaseException) -> bool:
     return isinstance(exc, dist.DistError) or any(s in text for s in _LOST)
 
 
-def roll_call(store: Any, rank: int, world_size: int, window: float) -> list[int] | str | None:
+@dataclass(frozen=True)
+class Rank0Busy:
+    """Rank 0's store answers the roll call, rank 0 itself does not: it is alive and works
+    alone (a save that outlasts --dist-timeout, a callback). It will find the others gone
+    at its next collective and report the job's status itself."""
+
+
+def roll_call(
+    store: Any, rank: int, world_size: int, window: float
+) -> list[int] | str | Rank0Busy | None:
     """The line a rank that failed in its own code left (``announce_failure``), if one did;
     else check in as alive and wait up to ``window`` seconds for every rank to do the same,
-    and return the ranks that did not. None when the store does not answer.
+    and return the ranks that did not. None when the store does not answer; ``Rank0Busy``
+    when it answers but rank 0 does not call the roll.
 
     Given up after ``window`` and a few seconds (``_within``)."""
     return _within(
@@ -65,7 +76,9 @@ def _within(seconds: float, ask: Callable[[], Any]) -> Any:
     return result[0]
 
 
-def _roll_call(store: Any, rank: int, world_size: int, window: float) -> list[int] | None:
+def _roll_call(
+    store: Any, rank: int, world_size: int, window: float
+) -> list[int] | Rank0Busy | None:
     """Each rank checks in; rank 0, which holds the store, waits for them, finds who did
     not and posts that, which the others read: a few requests a rank, not one a peer."""
     try:
@@ -74,7 +87,12 @@ def _roll_call(store: Any, rank: int, world_size: int, window: float) -> list[in
         if rank != 0:
             store.add(_ALIVE, 1)  # a count for rank 0 to poll, not world_size keys
             store.set_timeout(timedelta(seconds=window + 4))
-            return list(json.loads(store.get(_MISSING)))
+            try:
+                return list(json.loads(store.get(_MISSING)))
+            except Exception:  # no finding: is the store (rank 0's process) still there?
+                store.set_timeout(timedelta(seconds=3))
+                store.add(_ALIVE, 0)
+                return Rank0Busy()
         deadline = time.monotonic() + window
         while store.add(_ALIVE, 0) < world_size - 1 and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -132,21 +150,27 @@ def local_state(pid: int) -> str:
 
 def describe(
     exc: BaseException,
-    missing: list[int] | None,
+    missing: list[int] | Rank0Busy | None,
     peers: Sequence[tuple[str, int]],
     rank: int,
     here: str,
 ) -> str:
     """One line: which ranks on which hosts this rank lost contact with, and the error."""
-    if missing is None:  # the store is rank 0's: it is rank 0 that does not answer
-        missing = [0]
+    busy = isinstance(missing, Rank0Busy)
+    # the store is rank 0's: where it does not answer, or rank 0 does not, it is rank 0
+    lost = [0] if missing is None or isinstance(missing, Rank0Busy) else missing
     parts = []
-    for r in missing:
+    for r in lost:
         if r == rank or r >= len(peers):
             continue
         host, pid = peers[r]
         state = local_state(pid) if host == here else "not answering"
+        if busy:
+            state = "alive, busy: its store answers, it does not; it reports the job's status"
         parts.append(f"rank {r} on {host} ({state})")
+    if not parts:  # every rank checked in (one may have left since): this host's, looked up
+        gone = ((r, local_state(pid)) for r, (host, pid) in enumerate(peers) if host == here)
+        parts = [f"rank {r} on {here} ({state})" for r, state in gone if state != "running"]
     who = ", ".join(parts) if parts else "another rank"
     error = re.sub(r"^\[[^\]]*\]\s*", "", first_line(exc, None))  # no "[file.cc:78]"
     if len(error) > 160:
