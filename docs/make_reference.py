@@ -43,6 +43,9 @@ ENVIRONMENT = {
     "DMLTRAIN_RDZV_PORT": ("torchrun.sh", "the rendezvous port (29400)"),
     "DMLTRAIN_SRUN_WAIT": ("run.sh", "seconds srun waits for the other tasks once one has "
                            "ended (330; keep it above --dist-timeout + 20)"),
+    "DMLTRAIN_LOST_GRACE": ("run.sh, torchrun.sh, horovod.sh", "seconds the step is given "
+                            "to end once a survivor of a lost rank wrote status 5 (10); then "
+                            "it is ended and the job requeued"),
     "DMLTRAIN_SRUN_MPI": ("horovod.sh", "srun's --mpi plugin (pmix; see srun --mpi=list)"),
     "DMLTRAIN_SBATCH": ("chain.sh", "sbatch options for every job of the chain, split on "
                         "spaces"),

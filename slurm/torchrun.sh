@@ -52,10 +52,41 @@ echo "dmltrain: job $job, restart ${SLURM_RESTART_COUNT:-0}, ${SLURM_JOB_NUM_NOD
 
 # torchrun reports any worker's failure as exit status 1, so rank 0 writes the real
 # status (3: checkpoint saved, requeue) to a file on the shared file system.
+# >>> dmltrain block: run-step.sh (edit slurm/blocks/run-step.sh, then run sync.py)
+# A lost peer ends the step at once. The survivors of a lost rank or node write status 5
+# to the status file once they have named it (a rank that only waits for a busy rank 0
+# writes nothing: rank 0 reports itself). The ranks that cannot answer (a node whose link
+# is down) would hold srun for its --wait: the step is ended DMLTRAIN_LOST_GRACE seconds
+# (10) after the 5, then the job is requeued. A status of 3 (a checkpoint being saved)
+# never ends it early.
+run_step() {
+    "$@" &
+    local step=$! waited=0
+    while kill -0 "$step" 2>/dev/null; do
+        if [ "$(sed -n 1p "$status_file" 2>/dev/null)" = 5 ]; then
+            while kill -0 "$step" 2>/dev/null && [ "$waited" -lt "${DMLTRAIN_LOST_GRACE:-10}" ]; do
+                sleep 1
+                waited=$((waited + 1))
+            done
+            if kill -0 "$step" 2>/dev/null; then
+                echo "dmltrain: a rank or node was lost and the others have stopped; ending the step"
+                kill -INT "$step" 2>/dev/null  # twice within a second: srun ends the step
+                sleep 0.5
+                kill -INT "$step" 2>/dev/null
+                sleep 5
+                kill -KILL "$step" 2>/dev/null  # a node that cannot answer may still hold it
+            fi
+            break
+        fi
+        sleep 2
+    done
+    wait "$step"
+}
+# <<< dmltrain block: run-step.sh
 status_file="${SLURM_SUBMIT_DIR:-$PWD}/.dmltrain-status-$job"
 rm -f "$status_file"
 # --wait: see slurm/run.sh.
-srun --ntasks-per-node=1 --wait="${DMLTRAIN_SRUN_WAIT:-330}" torchrun \
+run_step srun --ntasks-per-node=1 --wait="${DMLTRAIN_SRUN_WAIT:-330}" torchrun \
     --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node="$nproc" \
     --rdzv-backend=c10d --rdzv-endpoint="$head_node:$port" --rdzv-id="$job" \
     -m dmltrain "$@" --no-requeue --status-file "$status_file"

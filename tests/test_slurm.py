@@ -61,6 +61,7 @@ def test_batch_scripts_hold_the_shared_blocks_and_drift_is_caught(tmp_path):
         uses["slurm-job.sh"] == uses["slurm-requeue.sh"] == {"run.sh", "torchrun.sh", "horovod.sh"}
     )  # every Slurm script honours DMLTRAIN_REQUEUE=0 (slurm/chain.sh)
     assert uses["status-file.sh"] == {"run.sh", "torchrun.sh", "horovod.sh", "casper.sh"}
+    assert uses["run-step.sh"] == {"run.sh", "torchrun.sh", "horovod.sh"}
     assert uses["pbs-args.sh"] == uses["pbs-resubmit.sh"] == {"casper.sh", "derecho.sh"}
     # A copy of the tree where one script's copy of a block was edited by hand.
     copy = tmp_path / "slurm"

@@ -327,21 +327,21 @@ def test_a_lost_node_is_named_and_the_run_resumes_bitwise(two_nodes, tiny_refere
 
 def test_a_job_that_lost_a_node_ends_requeues_and_resumes_bitwise(two_nodes, tiny_reference,
                                                                   tmp_path):  # fmt: skip
-    """slurm/run.sh with node2's link down mid-epoch: rank 0 exits with status 5, srun
-    gives node2 up DMLTRAIN_SRUN_WAIT seconds (node2 cannot report its rank's exit), ends
-    the step, and the script requeues the job; once the link is back, the job resumes from
-    the newest step checkpoint and ends bitwise equal to a run never interrupted."""
-    job = sbatch(tmp_path, *LOST, options=NODES,
-                 env={**two_nodes, "DMLTRAIN_SRUN_WAIT": "30"})  # fmt: skip
+    """slurm/run.sh with node2's link down mid-epoch: rank 0 exits with status 5 and writes
+    it to --status-file; the script gives the step DMLTRAIN_LOST_GRACE (10 s), then ends it
+    (node2 cannot report its rank's exit, and srun's own --wait is 330 s) and requeues the
+    job within a minute of the survivors' line; once the link is back, the job resumes
+    from the newest step checkpoint and ends bitwise equal to a run never interrupted."""
+    job = sbatch(tmp_path, *LOST, options=NODES, env=two_nodes)
     out = tmp_path / "job.out"
     wait_for(lambda: out.exists() and "epoch 1/3 step 6/" in out.read_text(), 120, "training")
     subprocess.run(["ip", "link", "set", "vh2", "down"], check=True)
-    # On a loaded machine, Slurm may find node2 failed (SlurmdTimeout) before srun ends the
-    # step: then Slurm requeues the job itself. Either way the job is requeued and resumes.
+    # On a loaded machine, Slurm may find node2 failed (SlurmdTimeout) before the step
+    # ends: then Slurm requeues the job itself. Either way the job is requeued and resumes.
     requeued = ("requeueing job", "DUE TO NODE FAILURE")
-    try:  # --dist-timeout 20, the roll call, --wait 30, srun's own 12 s, the requeue
-        wait_for(lambda: any(r in out.read_text() for r in requeued), 20 + 16 + 30 + 12 + 30,
-                 "requeue")  # fmt: skip
+    try:  # --dist-timeout 20, the roll call; then the grace, srun's abort, the requeue
+        wait_for(lambda: "stopping: lost contact" in out.read_text(), 20 + 16 + 30, "survivors")
+        wait_for(lambda: any(r in out.read_text() for r in requeued), 60, "requeue")
     finally:
         subprocess.run(["ip", "link", "set", "vh2", "up"], check=True)
     # Requeued jobs wait a while before they start; an admin starting this one at once
@@ -356,9 +356,10 @@ def test_a_job_that_lost_a_node_ends_requeues_and_resumes_bitwise(two_nodes, tin
     release_requeues_until_done(job, tmp_path, timeout=420, env=two_nodes, release=not node_failed)
     log = out.read_text()
     assert "stopping: lost contact with rank 1 on node2 (not answering)" in log
-    assert "a rank or node was lost, the checkpoints are intact, requeueing job" in log or (
-        "DUE TO NODE FAILURE" in log
-    )
+    assert (
+        "a rank or node was lost and the others have stopped; ending the step" in log
+        and "a rank or node was lost, the checkpoints are intact, requeueing job" in log
+    ) or "DUE TO NODE FAILURE" in log
     assert "dmltrain: resuming from" in log and "restart 1" in log
     assert_same_run(tiny_reference, tmp_path / "runs" / f"tiny-{job}")
 

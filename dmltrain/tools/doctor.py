@@ -59,8 +59,12 @@ def _local_worker(rank: int, backend: str, port: int, results: Any) -> None:
     results[rank] = _all_reduce(rank, 2, backend, "127.0.0.1", port, device)
 
 
-def all_reduce_check(backend: str, info: launch.DistInfo, required: bool) -> Check:
-    """All-reduce of rank+1 over every process: the sum must be w(w+1)/2."""
+def all_reduce_check(
+    backend: str, info: launch.DistInfo, required: bool, port_offset: int = 1
+) -> Check:
+    """All-reduce of rank+1 over every process: the sum must be w(w+1)/2. Under a
+    launcher, at the launcher's port + ``port_offset``: each check its own port, so that
+    a fast rank of the next check never reaches the store of the one before it."""
     world = info.world_size if info.distributed else 2
     where = f"{world} processes" + ("" if info.distributed else " on this node")
     expected = world * (world + 1) / 2
@@ -69,7 +73,7 @@ def all_reduce_check(backend: str, info: launch.DistInfo, required: bool) -> Che
             device = info.device if backend == "nccl" else "cpu"
             if backend == "nccl":
                 torch.cuda.set_device(torch.device(device))
-            port = info.master_port + 1  # beside the launcher's, never the same
+            port = info.master_port + port_offset  # beside the launcher's, never the same
             got = _all_reduce(info.rank, world, backend, info.master_addr, port, device)
         else:
             context = torch.multiprocessing.get_context("spawn")
@@ -142,7 +146,7 @@ def checks(args: argparse.Namespace, info: launch.DistInfo) -> list[Check]:
     out.append(_wandb(args.wandb, launch.run_environment()))
     out.append(all_reduce_check("gloo", info, True))
     if nccl and (info.distributed or gpus >= 2):
-        out.append(all_reduce_check("nccl", info, args.gpu))
+        out.append(all_reduce_check("nccl", info, args.gpu, port_offset=2))
     if horovod.ok and not info.distributed:
         out.append(_horovod_all_reduce(args.horovod))
     return out
