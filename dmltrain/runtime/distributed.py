@@ -328,6 +328,13 @@ class DDPStrategy(Strategy):
 
 class FSDPStrategy(DDPStrategy):
     name = "fsdp"
+    mesh: Any = None  # HSDP's 2D mesh, whose groups started() sets the timeout of too
+
+    def started(self) -> None:
+        super().started()
+        timeout = datetime.timedelta(seconds=self.config.dist_timeout)
+        for group in self.mesh.get_all_groups() if self.mesh is not None else ():
+            compat.set_group_timeout(timeout, group)
 
     def wrap_model(
         self,
@@ -340,9 +347,10 @@ class FSDPStrategy(DDPStrategy):
 
         # Mixed precision the FSDP way: parameters gathered in the compute dtype,
         # gradients reduced in fp32.
+        self.mesh = sharding.fsdp_mesh(self.memory, self.info.world_size, self.info.device)
         settings: dict[str, Any] = {
             "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32),
-            "mesh": sharding.fsdp_mesh(self.memory, self.info.world_size, self.info.device),
+            "mesh": self.mesh,
         }
         if self.memory.cpu_offload:
             settings["offload_policy"] = CPUOffloadPolicy()
