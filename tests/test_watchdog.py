@@ -96,7 +96,7 @@ def test_an_earlier_jobs_hang_is_kept_apart(tmp_path):
     hang.mkdir(parents=True)
     (hang / "report.txt").write_text("the earlier hang\n")
     watchdog = Watchdog(
-        StepClock(torch.device("cpu")), tmp_path / "run", 0, 2, "here", 5.0, 10.0, 0.0, print
+        StepClock(torch.device("cpu")), tmp_path / "run", 0, 2, "here", 5.0, 10.0, 60.0, print
     )
     watchdog.start()
     watchdog.stop()

@@ -49,7 +49,7 @@ from dmltrain.config import HANG_AUTO_FLOOR, HANG_AUTO_SHARE, HANG_MULTIPLE, Han
 from dmltrain.errors import EXIT_PEER_LOST, PeerLost
 from dmltrain.features.monitor import StepClock
 from dmltrain.runtime.launch import DistInfo
-from dmltrain.runtime.peers import local_state
+from dmltrain.runtime.peers import named
 
 
 def limits(hang_timeout: float, dist_timeout: float) -> tuple[float, float]:
@@ -80,19 +80,21 @@ class Watchdog:
         host: str,
         timeout: float,
         ceiling: float,
-        grace: float,
+        dist_timeout: float,
         say: Callable[[str], None],
         nccl_dump: Callable[[], bytes] | None = None,
         leave: Callable[[int], Any] = os._exit,
         peers: Sequence[tuple[str, int]] = (),
-        dist_timeout: float = float("inf"),
     ) -> None:
+        """``dist_timeout``: when a collective waiting for a hung rank gives up (infinite
+        where there is none: one process)."""
         self.clock, self.directory = clock, run_dir / "hang"
         self.rank, self.world_size, self.host = rank, world_size, host
-        self.minimum, self.ceiling, self.grace = timeout, ceiling, grace
+        self.minimum, self.ceiling, self.dist_timeout = timeout, ceiling, dist_timeout
+        # for a collective to give up (and its roll call to report) before this rank does
+        self.grace = dist_timeout + GRACE if dist_timeout != float("inf") else 0.0
         self.say, self.nccl_dump, self.leave = say, nccl_dump, leave
         self.peers = peers  # (host, pid) of every rank: where a silent rank is
-        self.dist_timeout = dist_timeout  # when a collective waiting for a hung rank gives up
         self.fired = False  # this rank's stack is written
         self._paused = 0
         self._stop = threading.Event()
@@ -114,7 +116,6 @@ class Watchdog:
         """A rank's watchdog by the run's --hang-timeout and --dist-timeout; a hang's
         line goes to stderr; ``leave`` ends the process (with the job's status recorded)."""
         shortest, longest = limits(config.hang_timeout, dist_timeout)
-        grace = dist_timeout + GRACE if dist.world_size > 1 else 0.0  # no collective
         return cls(
             clock,
             run_dir,
@@ -123,12 +124,11 @@ class Watchdog:
             host,
             shortest,
             longest,
-            grace,
+            dist_timeout if dist.world_size > 1 else float("inf"),  # no collective
             lambda line: print(line, file=sys.stderr, flush=True),
             nccl_dump,
             leave,
-            peers=peers,
-            dist_timeout=dist_timeout if dist.world_size > 1 else float("inf"),
+            peers,
         )
 
     def start(self) -> None:
@@ -305,16 +305,12 @@ class Watchdog:
     def _silent(self, ranks: list[int]) -> str:
         """The ranks that wrote no stack, with their hosts, and how a rank of this host is
         (stopped, gone): the first few, then a count."""
-        named = []
-        for rank in ranks[:SILENT_NAMED]:
-            if rank >= len(self.peers):
-                named.append(f"rank {rank}")
-                continue
-            host, pid = self.peers[rank]
-            state = local_state(pid) if host == self.host else "not answering"
-            named.append(f"rank {rank} on {host} ({state})")
+        shown = [
+            named(rank, self.peers, self.host) if rank < len(self.peers) else f"rank {rank}"
+            for rank in ranks[:SILENT_NAMED]
+        ]
         more = len(ranks) - SILENT_NAMED
-        return ", ".join(named) + (f" and {more} more" if more > 0 else "")
+        return ", ".join(shown) + (f" and {more} more" if more > 0 else "")
 
 
 def _user_frame(frames: Iterable[traceback.FrameSummary]) -> str:

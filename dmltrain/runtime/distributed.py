@@ -240,10 +240,13 @@ class DDPStrategy(Strategy):
 
     def started(self) -> None:
         timeout = datetime.timedelta(seconds=self.config.dist_timeout)
-        compat.set_group_timeout(timeout)
-        if self.control is not None:
-            compat.set_group_timeout(timeout, self.control)
+        for group in self._groups():
+            compat.set_group_timeout(timeout, group)
         self.store.set_timeout(timeout)
+
+    def _groups(self) -> list[Any]:
+        """Every process group this strategy made (None: the default one)."""
+        return [None] if self.control is None else [None, self.control]
 
     def wrap_model(
         self,
@@ -328,13 +331,10 @@ class DDPStrategy(Strategy):
 
 class FSDPStrategy(DDPStrategy):
     name = "fsdp"
-    mesh: Any = None  # HSDP's 2D mesh, whose groups started() sets the timeout of too
+    mesh: Any = None  # HSDP's 2D mesh, made in wrap_model
 
-    def started(self) -> None:
-        super().started()
-        timeout = datetime.timedelta(seconds=self.config.dist_timeout)
-        for group in self.mesh.get_all_groups() if self.mesh is not None else ():
-            compat.set_group_timeout(timeout, group)
+    def _groups(self) -> list[Any]:
+        return super()._groups() + (self.mesh.get_all_groups() if self.mesh is not None else [])
 
     def wrap_model(
         self,

@@ -148,6 +148,14 @@ def local_state(pid: int) -> str:
     return {"Z": "gone", "X": "gone", "T": "stopped", "t": "stopped"}.get(state, "running")
 
 
+def named(rank: int, peers: Sequence[tuple[str, int]], here: str) -> str:
+    """'rank R on HOST (state)': a rank of this host as ``/proc`` says it is (gone,
+    stopped), another host's as not answering."""
+    host, pid = peers[rank]
+    state = local_state(pid) if host == here else "not answering"
+    return f"rank {rank} on {host} ({state})"
+
+
 def describe(
     exc: BaseException,
     missing: list[int] | Rank0Busy | None,
@@ -163,11 +171,11 @@ def describe(
     for r in lost:
         if r == rank or r >= len(peers):
             continue
-        host, pid = peers[r]
-        state = local_state(pid) if host == here else "not answering"
         if busy:
-            state = "alive, busy: its store answers, it does not; it reports the job's status"
-        parts.append(f"rank {r} on {host} ({state})")
+            busy_state = "alive, busy: its store answers, it does not; it reports the job's status"
+            parts.append(f"rank {r} on {peers[r][0]} ({busy_state})")
+        else:
+            parts.append(named(r, peers, here))
     if not parts:  # every rank checked in (one may have left since): this host's, looked up
         gone = ((r, local_state(pid)) for r, (host, pid) in enumerate(peers) if host == here)
         parts = [f"rank {r} on {here} ({state})" for r, state in gone if state != "running"]
