@@ -11,10 +11,13 @@ ranks hold uneven shards (17 and 16; FSDP pads one to 17): each launcher's reduc
 metric's states (torch.distributed's gather, Horovod's allgather) gives the same val_rmse.
 """
 
+import contextlib
+import os
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -272,6 +275,48 @@ def test_a_rank_0_that_works_alone_is_not_reported_lost_by_the_others(tmp_path):
     assert procs[0].returncode == 5, err0[-3000:]
     assert f"[rank 0] stopping: lost contact with rank 1 on {here} (gone)" in err0
     assert read_status_record(status) == (5, 0)
+
+
+def peer_connections(pid: int) -> int:
+    """TCP connections of process ``pid`` to other ranks: established, and neither end on
+    the store's port (MASTER_PORT)."""
+    environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    store = int(next(v for v in environ if v.startswith(b"MASTER_PORT=")).split(b"=")[1])
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):
+            if (target := os.readlink(fd)).startswith("socket:["):
+                inodes.add(target[8:-1])
+    count = 0
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            ports = {int(fields[1].split(":")[1], 16), int(fields[2].split(":")[1], 16)}
+            count += fields[3] == "01" and fields[9] in inodes and store not in ports
+    return count
+
+
+def test_a_rank_connects_to_a_few_peers_not_to_every_rank(tmp_path):
+    """8 ranks train; while rank 0 is held in its 5th step, every other rank, waiting in
+    the step's collectives, holds connections to a few peers (those its collectives'
+    patterns reach, O(log N)), not to all 7 (Gloo's full mesh: 1,023 sockets a rank at
+    1,024 ranks)."""
+    options = ["--pause-at-step", "5", "--pause-rank", "0", "--pause-seconds", "20",
+               "--no-hang-watchdog", "--run-dir", str(tmp_path / "run")]  # fmt: skip
+    procs = start_ranks(DMLTRAIN + ARGS + options, tmp_path, world_size=8)
+    log = tmp_path / "run" / "training_log.csv"
+    try:
+        deadline = time.monotonic() + 120
+        while not (log.exists() and ",4," in log.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        time.sleep(2)  # the others reach step 5's collectives
+        held = [peer_connections(proc.pid) for proc in procs[1:]]
+        outs = [proc.communicate(timeout=120) for proc in procs]
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert all(proc.returncode == 0 for proc in procs), outs[0][1][-3000:]
+    assert 1 <= max(held) < 7, held
 
 
 def test_backend_mpi_without_torch_mpi_is_a_clear_error(tmp_path):

@@ -210,6 +210,7 @@ class DDPStrategy(Strategy):
         timeout = datetime.timedelta(seconds=self.config.init_timeout)
         if backend == "nccl":  # its collectives recorded, for a hang's report (watchdog)
             launch.enable_flight_recorder()
+        launch.lazy_gloo_connections()  # the training group on CPUs, the control group
         info = self.info
         interface = environment is not None and environment.socket_interface is not None
         # Kept, not made by init_method: the roll call after a failed collective uses it.

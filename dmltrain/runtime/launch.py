@@ -483,6 +483,15 @@ def enable_flight_recorder(env: MutableMapping[str, str] | None = None) -> None:
         env["TORCH_FR_BUFFER_SIZE"] = "2000"
 
 
+def lazy_gloo_connections(env: MutableMapping[str, str] | None = None) -> None:
+    """Gloo groups connect to a peer when a collective first needs it, not to all N-1 at
+    creation: an all-reduce touches a few peers, so a rank holds a few sockets, not one
+    a rank of the job (past a soft ``ulimit -n`` of 1,024 at 1,024 ranks). Before the
+    groups are made; a setting of the user's stays."""
+    env = os.environ if env is None else env
+    env.setdefault("TORCH_GLOO_LAZY_INIT", "1")
+
+
 def free_port() -> int:
     """A TCP port that is free now (bound briefly, then released), below the range the
     system gives outgoing connections: a connection made before the rendezvous binds it

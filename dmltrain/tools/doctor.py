@@ -43,6 +43,7 @@ def _all_reduce(rank: int, world: int, backend: str, addr: str, port: int, devic
     interface = launch.run_environment().socket_interface is not None
     store = preflight.rendezvous(rank, world, addr, port, 60, interface)
     timeout = datetime.timedelta(seconds=60)
+    launch.lazy_gloo_connections()  # as a training run connects
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
     try:
         value = torch.tensor([float(rank + 1)], device=device)
