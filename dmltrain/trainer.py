@@ -172,11 +172,12 @@ class BaseTrainer(TrainerSetup):
             self.config.preemption.signal_names(), worker=self.dist.spawned
         )
         self._agreement = preemption.AgreementSchedule(self.config.preemption.preempt_check_seconds)
-        evaluating, results = self.config.checkpoint.evaluating, None
+        evaluating, results, failed = self.config.checkpoint.evaluating, None, True
         try:
             self.setup()
             stopped, results = (None, [self._evaluate()]) if evaluating else (self._train(), None)
             self._tracker.finish(preempted=stopped is not None)
+            failed = False
         except torch.OutOfMemoryError as exc:
             self._tracker.finish()
             raise profiling.out_of_memory(
@@ -207,7 +208,7 @@ class BaseTrainer(TrainerSetup):
             for loader in (getattr(self, "train_loader", None), getattr(self, "val_loader", None)):
                 compat.stop_loader_workers(loader)
             if hasattr(self, "_checkpointer"):
-                self._checkpointer.close()  # never exit with a write half done
+                self._checkpointer.close(failed)  # never exit with a write half done
             if hasattr(self, "_run_dir_held"):
                 self._run_dir_held.release()
             self.strategy.teardown()

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -16,9 +17,11 @@ from helpers import AT_ONCE, REQUIRE_ALL, ROOT, TINY, assert_same_run, run_cli
 from dmltrain import TrainConfig, UserError
 from dmltrain.checkpoint.storage import (
     CheckpointDir,
+    consolidate,
     list_checkpoints,
     load_file,
     load_latest_valid,
+    load_sharded,
 )
 from tiny import TinyOptions, TinyTrainer, WrapperNames
 
@@ -277,6 +280,32 @@ def test_async_checkpoints_give_the_same_run(tmp_path):
     assert all(torch.equal(a["model"][k], b["model"][k]) for k in a["model"])
 
 
+def test_async_sharded_save_returns_before_it_is_written(tmp_path, monkeypatch):
+    """One process: the save returns while its shards are still being published (held
+    here), and the loop changes the weights meanwhile; ``wait`` ends it."""
+    directory = CheckpointDir(tmp_path / "ck", keep_last=1, asynchronous=True)
+    holds = [threading.Event(), threading.Event()]  # one a save
+    waiting = iter(holds)
+    publish = directory._publish_sharded
+    monkeypatch.setattr(directory, "_publish_sharded",
+                        lambda *args: (next(waiting).wait(30), publish(*args)))  # fmt: skip
+    weights = torch.zeros(1_000_000)
+    for step, hold in zip((1, 2), holds, strict=True):
+        started = time.monotonic()
+        directory.save_sharded({"model": {"w": weights}}, {"step": step}, 1, step, False,
+                               barrier=lambda: None, asynchronous=True)  # fmt: skip
+        assert time.monotonic() - started < 10  # not held
+        assert len(list_checkpoints(tmp_path / "ck")) == step - 1  # the previous one only
+        weights += 1
+        hold.set()
+    directory.wait()
+    (latest,) = list_checkpoints(tmp_path / "ck")  # published, and the older one pruned
+    assert latest.name == "ckpt-000001-00000002.dcp" and (latest / "trainer.pt").is_file()
+    shards = {"model": {"w": torch.empty(1_000_000)}}
+    load_sharded(latest, shards)
+    assert shards["model"]["w"].eq(1.0).all()
+
+
 RANDOM = ["--dropout", "0.2", "--augment"]  # random numbers in the step and in the data
 FSDP = [*TINY, "--nprocs", "2", "--strategy", "fsdp", *RANDOM]
 
@@ -313,6 +342,30 @@ def test_fsdp_writes_sharded_checkpoints_and_resumes_bit_exactly(fsdp_run, tmp_p
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout and "ckpt-000002-00000009.dcp" in resumed.stdout
     assert_same_run(fsdp_run, run)
+
+
+def test_async_sharded_checkpoints_give_the_same_run(fsdp_run, tmp_path):
+    """--async-checkpoint under FSDP: every rank writes its shards in the background; the
+    checkpoints hold what the synchronous run's hold, and a stopped run (its last save
+    waited for) resumes to the same run."""
+    run = tmp_path / "run"
+    args = [*FSDP, "--checkpoint-every-steps", "4", "--async-checkpoint", "--keep-last", "0",
+            "--run-dir", str(run)]  # fmt: skip
+    stopped = run_cli(*args, "--signal-rank", "1", "--signal-at-step", "10", *AT_ONCE,
+                      cwd=tmp_path)  # fmt: skip
+    assert stopped.returncode == 3, stopped.stderr[-3000:]
+    resumed = run_cli(*args, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert_same_run(fsdp_run, run)
+    name = "ckpt-000003-00000016.dcp"  # saved in the background, kept by both runs
+    one, two = (
+        torch.load(consolidate(source / "checkpoints" / name, tmp_path / f"{i}.pt"),
+                   weights_only=True)
+        for i, source in enumerate((fsdp_run, run))
+    )  # fmt: skip
+    assert one["global_step"] == two["global_step"] == 16
+    assert all(torch.equal(one["model"][k], two["model"][k]) for k in one["model"])
+    assert not list((run / "checkpoints").glob(".*tmp*"))
 
 
 def test_consolidate_makes_one_plain_file(fsdp_run, tmp_path):

@@ -10,7 +10,7 @@ import torch
 from helpers import AT_ONCE, RANDOM, assert_same_run, cli_env, log_numbers, run_cli
 from torch import nn
 
-from dmltrain.checkpoint.storage import list_checkpoints, load_file
+from dmltrain.checkpoint.storage import consolidate, list_checkpoints, load_file
 from dmltrain.features.ema import EMA
 
 # 2 processes x 4: 12 steps an epoch
@@ -77,10 +77,18 @@ def test_a_resumed_run_keeps_its_average_bit_for_bit(tmp_path):
 
 
 def test_under_fsdp_each_rank_averages_its_shard_and_a_resume_keeps_it(tmp_path):
-    """FSDP: every rank averages its shard of each weight; a checkpoint holds the whole
-    average (gathered), in full and sharded checkpoints alike, and a resumed run equals an
-    uninterrupted one bitwise, the average included. consolidate --ema of the sharded one
-    gives the same average."""
+    """FSDP: every rank averages its shard of each weight; a full checkpoint holds the
+    whole average (gathered), a sharded one every rank's shards of it (nothing gathered:
+    trainer.pt has none), and a resumed run equals an uninterrupted one bitwise, the
+    average included, in both. consolidate --ema of the sharded one gives the average."""
+
+    def average(checkpoint):
+        if checkpoint.suffix == ".pt":
+            return load_file(checkpoint)["ema"]
+        assert "ema" not in load_file(checkpoint)
+        out = consolidate(checkpoint, tmp_path / f"{checkpoint.parent.parent.name}.pt", ema=True)
+        return torch.load(out, weights_only=True)["model"]
+
     averages = {}
     for kind in ("full", "sharded"):
         args = [*BASE, "--strategy", "fsdp", "--checkpoint-format", kind]
@@ -91,8 +99,8 @@ def test_under_fsdp_each_rank_averages_its_shard_and_a_resume_keeps_it(tmp_path)
         done = run_cli(*args, "--run-dir", str(cut), cwd=tmp_path)
         assert done.returncode == 0, done.stderr[-3000:]
         assert_same_run(whole, cut)
-        a, b = (load_file(list_checkpoints(r / "checkpoints")[0])["ema"] for r in (whole, cut))
-        assert all(torch.equal(a[k], b[k]) for k in a)
+        a, b = (average(list_checkpoints(r / "checkpoints")[0]) for r in (whole, cut))
+        assert sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
         averages[kind] = a
     full, sharded = averages["full"], averages["sharded"]
     assert all(torch.allclose(full[k], sharded[k], rtol=1e-5, atol=1e-7) for k in full)

@@ -204,27 +204,30 @@ class Checkpointer:
     def _save(self, best: bool, must: bool) -> None:
         saved, strategy, main = self.saved, self.strategy, self.dist.is_main
         state = saved.state
-        if main:
+        if main or self.sharded:  # every rank writes its shards
             try:
                 self.files.wait()  # an earlier background write's failure, reported here
             except WriteFailed as exc:
-                self.warn(f"{exc}; training goes on")
+                if main:
+                    self.warn(f"{exc}; training goes on")
         # An optimizer that has not stepped yet has no state; get_state_dict creates it with
         # a zero step (Adam's step count moves), which is undone after the save.
         fresh = not any(optimizer.state for optimizer in saved.optimizers)
         partial = state.metrics.state_dict() if state.step_in_epoch else None
         position = None if saved.feed is None else saved.feed.position()
-        ranks = strategy.all_gather_object(
-            {"rng": rng_state(), "metrics": partial, "data": position}
-        )
-        positions = [r["data"] for r in ranks]
-        ema = None if saved.ema is None else saved.ema.state_dict()  # every rank (FSDP gathers)
+        ranks = strategy.gather_object({"rng": rng_state(), "metrics": partial, "data": position})
+        # Whole in a full checkpoint (under FSDP every rank takes part in gathering it, rank
+        # 0 keeps it); every rank's own shards in a sharded one, with the model's.
+        ema = None
+        if saved.ema is not None and not self.sharded:
+            ema = saved.ema.state_dict(keep=main)
         kept = {key: item.state_dict() for key, item in saved.states.items()}  # every rank
         if main:
             for key, value in kept.items():
                 _check_loadable(value, key)
         meta = None
-        if main:
+        if ranks is not None:  # rank 0
+            positions = [r["data"] for r in ranks]
             meta = {
                 "scheduler": _schedulers_state(saved.schedulers),
                 "scaler": saved.precision.state_dict(),
@@ -234,6 +237,7 @@ class Checkpointer:
                 **({"data": positions} if any(p is not None for p in positions) else {}),
                 "world_size": self.dist.world_size,
                 **({"ema": ema} if ema is not None else {}),
+                **({"ema_sharded": True} if self.sharded and saved.ema is not None else {}),
                 **({"states": kept} if kept else {}),
                 "config": self.run_config,
                 "optimizer_fresh": fresh,
@@ -243,7 +247,13 @@ class Checkpointer:
         if self.sharded:
             model_state, optim_state = _dcp().get_state_dict(saved.model, _dcp_optim(saved))
             shards = {"model": model_state, "optimizer": optim_state}
-            self.files.save_sharded(shards, meta, epoch, state.global_step, best, strategy.barrier)
+            if saved.ema is not None:
+                shards["ema"] = saved.ema.shards()
+            background = self.files.asynchronous and not must  # the last one is waited for
+            group = strategy.background_group() if background else None
+            self.files.save_sharded(
+                shards, meta, epoch, state.global_step, best, strategy.barrier, background, group
+            )
         else:
             if strategy.name == "fsdp":
                 options = _dcp().StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -274,12 +284,17 @@ class Checkpointer:
             self.written += 1
 
     def wait(self) -> None:
-        """Block until a background write is on disk (rank 0)."""
-        if self.dist.is_main:
+        """Block until a background write is on disk (rank 0; every rank when sharded)."""
+        if self.dist.is_main or self.sharded:
             self.files.wait()
 
-    def close(self) -> None:
-        """``wait``, as the run ends whichever way: a failed write is a warning."""
+    def close(self, failed: bool = False) -> None:
+        """``wait``, as the run ends whichever way: a failed write is a warning. After a
+        failure (a lost peer) a sharded save in flight is left as it is: its collectives
+        may wait for a rank that is gone, and an unpublished save is cleared at the next;
+        the previous checkpoint stands."""
+        if failed and self.sharded:
+            return
         try:
             self.wait()
         except WriteFailed as exc:
@@ -329,7 +344,7 @@ class Checkpointer:
             path = Path(load_weights)
             state = load_file(path)
             if cfg.ema:  # the averaged weights, as the model's
-                if "ema" not in state:
+                if "ema" not in state and not state.get("ema_sharded"):
                     raise UserError(
                         f"--ema: {path} holds no averaged weights (trained without "
                         "--ema-decay); drop --ema to load its weights"
@@ -450,6 +465,8 @@ class Checkpointer:
             shards: dict[str, Any] = {"model": model_state}
             if optimizer:
                 shards["optimizer"] = optim_state
+            if saved.ema is not None and counters and state.get("ema_sharded"):
+                shards["ema"] = saved.ema.shards(counters=False)  # loaded into in place
             load_sharded(path, shards)
             if optimizer:
                 dcp().set_state_dict(
@@ -483,7 +500,7 @@ class Checkpointer:
         if saved.ema is not None:  # the checkpoint's average, or these weights as the start
             if counters and "ema" in state:
                 saved.ema.load_state_dict(state["ema"])
-            else:
+            elif not (counters and state.get("ema_sharded")):  # else loaded with the shards
                 saved.ema.restart()
         if counters:
             self._load_states(state.get("states", {}), path)

@@ -13,6 +13,13 @@ def snapshot(obj: Any, into: Any = None) -> Any:
     same structure) where shapes and dtypes agree: reusing that memory saves allocating
     and page-faulting the whole state again, most of the cost of a copy on the CPU.
     """
+    if isinstance(obj, torch.Tensor) and type(obj).__name__ == "DTensor":  # FSDP's shards
+        from torch.distributed.tensor import DTensor
+
+        assert isinstance(obj, DTensor)
+        local = snapshot(obj.to_local(), into.to_local() if isinstance(into, DTensor) else None)
+        return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False,
+                                  shape=obj.shape, stride=obj.stride())  # fmt: skip
     if isinstance(obj, torch.Tensor):
         if (
             isinstance(into, torch.Tensor)

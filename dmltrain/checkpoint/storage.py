@@ -222,7 +222,8 @@ def load_latest_valid(directory: Path, warn: Any) -> tuple[Path, dict[str, Any]]
 
 
 class CheckpointDir:
-    """Writes checkpoints of one run (on rank 0) and keeps the newest ``keep_last``.
+    """Writes checkpoints of one run (on rank 0; sharded ones on every rank) and keeps the
+    newest ``keep_last``.
 
     With ``asynchronous=True`` a save copies the state (the only part that blocks the
     loop) and writes it in a background thread; one write is in flight at a time, and a
@@ -246,10 +247,7 @@ class CheckpointDir:
             self._write(state, epoch, global_step, best)
             return path
         copy = self._staging = snapshot(state, self._staging)
-        self._writer = threading.Thread(
-            target=self._write_in_background, args=(copy, epoch, global_step, best)
-        )
-        self._writer.start()
+        self._in_background(self._write, copy, epoch, global_step, best)
         return path
 
     def wait(self) -> None:
@@ -263,13 +261,17 @@ class CheckpointDir:
                 raise failure
             raise WriteFailed(f"writing a checkpoint in {self.directory} failed: {failure}")
 
-    def _write_in_background(
-        self, state: dict[str, Any], epoch: int, step: int, best: bool
-    ) -> None:
-        try:
-            self._write(state, epoch, step, best)
-        except BaseException as exc:
-            self._failure = exc
+    def _in_background(self, work: Callable[..., Any], *args: Any) -> None:
+        """Run ``work`` in the one writer thread; its failure is raised at ``wait``."""
+
+        def run() -> None:
+            try:
+                work(*args)
+            except BaseException as exc:
+                self._failure = exc
+
+        self._writer = threading.Thread(target=run, daemon=True)  # a failed run leaves it
+        self._writer.start()
 
     def _write(self, state: dict[str, Any], epoch: int, global_step: int, best: bool) -> Path:
         self._clean_stale()
@@ -286,32 +288,66 @@ class CheckpointDir:
         global_step: int,
         best: bool,
         barrier: Callable[[], None],
+        asynchronous: bool = False,
+        group: Any = None,
     ) -> Path:
         """Collective: every rank writes its ``shards`` (model and optimizer state dicts
-        from ``get_state_dict``); rank 0, the one passing ``meta``, publishes the result."""
+        from ``get_state_dict``); rank 0, the one passing ``meta``, publishes the result.
+
+        ``asynchronous``: every rank copies its shards and writes them in the background,
+        over ``group`` (a CPU process group of every rank apart from the loop's; None with
+        one process), and rank 0 publishes once all are written; ``wait`` on every rank
+        ends it. The save's plan is cached (the same shards each time): rank 0 then merges
+        no plans, which at 1,024 ranks is what a save costs."""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
         path = self.directory / checkpoint_name(epoch, global_step, SHARDED)
         tmp = path.with_name(f".{path.name}.tmp-sharded")
+        self.wait()  # every rank: its part of the write in flight
         if meta is not None:
-            self.wait()
             self._clean_stale(keep=tmp.name)
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
         barrier()  # the directory exists before any rank writes
-        dcp.save(shards, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
-        if meta is not None:  # dcp.save returns on rank 0 after every rank's shards are written
-            atomic_save({"format_version": FORMAT_VERSION, **meta}, tmp / SHARDED_META)
-            _fsync_dir(tmp)
-            if path.exists():  # the same step saved again (step and epoch checkpoints met)
-                old = path.with_name(f".{path.name}.tmp-old")
-                os.replace(path, old)
-                shutil.rmtree(old)
-            os.replace(tmp, path)
-            _fsync_dir(self.directory)
-            self._publish(path, best)
-        barrier()
+        writer = dcp.FileSystemWriter(str(tmp), sync_files=True)
+        planner = DefaultSavePlanner(enable_plan_caching=True)
+        if not asynchronous:
+            dcp.save(shards, storage_writer=writer, planner=planner)
+            if meta is not None:  # dcp.save returns on rank 0 once every rank's shards are written
+                self._publish_sharded(tmp, path, meta, best, prune=False)
+            barrier()
+            if meta is not None:  # an old checkpoint's N+2 files: not while every rank waits
+                self._in_background(self._prune)
+            return path
+        # Copied as the .pt path copies (into the last save's copy): torch's stager deep-copies
+        # every DTensor's Python structure at each save, several times the memory copy.
+        copy = self._staging = snapshot(shards, self._staging)
+        written = dcp.async_save(
+            copy, storage_writer=writer, planner=planner, process_group=group, async_stager=_COPIED
+        )
+        self._in_background(self._finish_async, written, tmp, path, meta, best)
         return path
+
+    def _finish_async(
+        self, written: Any, tmp: Path, path: Path, meta: dict[str, Any] | None, best: bool
+    ) -> None:
+        written.result()  # on every rank, once rank 0 has written the shards' index
+        if meta is not None:
+            self._publish_sharded(tmp, path, meta, best)
+
+    def _publish_sharded(
+        self, tmp: Path, path: Path, meta: dict[str, Any], best: bool, prune: bool = True
+    ) -> None:
+        atomic_save({"format_version": FORMAT_VERSION, **meta}, tmp / SHARDED_META)
+        _fsync_dir(tmp)
+        if path.exists():  # the same step saved again (step and epoch checkpoints met)
+            old = path.with_name(f".{path.name}.tmp-old")
+            os.replace(path, old)
+            shutil.rmtree(old)
+        os.replace(tmp, path)
+        _fsync_dir(self.directory)
+        self._publish(path, best, prune)
 
     def _clean_stale(self, keep: str = "") -> None:
         """Temporary files and directories left by a writer killed mid-save."""
@@ -321,13 +357,14 @@ class CheckpointDir:
                 continue
             _remove(stale)
 
-    def _publish(self, path: Path, best: bool) -> None:
+    def _publish(self, path: Path, best: bool, prune: bool = True) -> None:
         """Move the links to a complete checkpoint, then prune."""
         kind = SHARDED if is_sharded(path) else FULL
         _point(self.directory / f"latest{kind}", path)
         if best:
             _point(self.directory / f"best{kind}", path)
-        self._prune()
+        if prune:
+            self._prune()
 
     def _prune(self) -> None:
         """Delete all but the newest ``keep_last`` (never the best) after a safe save."""
@@ -341,6 +378,28 @@ class CheckpointDir:
         for path in list_checkpoints(self.directory)[self.keep_last :]:
             if path.resolve() not in keep:
                 _remove(path)
+
+
+class _Copied:
+    """torch.distributed.checkpoint's stager for a state already copied (``snapshot``)."""
+
+    _synchronize_after_execute = False
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict: Any) -> Any:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+_COPIED = _Copied()
 
 
 def _remove(path: Path) -> None:
@@ -369,7 +428,7 @@ def consolidate(source: Path, target: Path, ema: bool = False) -> Path:
     if not is_sharded(source) and not (ema and source.is_file()):
         raise UserError(f"{source} is not a sharded checkpoint directory (ckpt-*.dcp)")
     state = load_file(source)
-    if ema and "ema" not in state:
+    if ema and "ema" not in state and not state.get("ema_sharded"):
         raise UserError(f"{source} holds no averaged weights (trained without --ema-decay)")
     if target.exists() and target.is_dir():
         target = target / source.with_suffix(FULL).name
@@ -381,6 +440,8 @@ def consolidate(source: Path, target: Path, ema: bool = False) -> Path:
         finally:
             tmp.unlink(missing_ok=True)
         state.update(model=shards["model"], optimizer=shards.get("optimizer"))
+        if state.pop("ema_sharded", False):  # a full checkpoint's place for it
+            state["ema"] = shards["ema"]
     if ema:
         state["model"] = state["ema"]
     atomic_save(state, target)

@@ -9,8 +9,9 @@ ema)``. Until ``--ema-warmup-steps`` it copies the weights instead; it is update
 parameter names, so a resumed run goes on with the same average, bit for bit.
 
 Under FSDP each rank averages its own shard of each parameter (the local tensor of the
-``DTensor``); a checkpoint holds the whole average (``state_dict`` gathers it: every rank
-calls it), and loading one hands each rank its shard again.
+``DTensor``); a sharded checkpoint holds every rank's shards of it (``shards``), a full one
+the whole average (``state_dict`` gathers it: every rank calls it), and loading one hands
+each rank its shard again.
 """
 
 import contextlib
@@ -52,22 +53,45 @@ class EMA:
         else:
             compat.foreach_lerp_(self.average, self.live, 1.0 - self.decay)
 
-    def state_dict(self) -> dict[str, Tensor]:
+    def state_dict(self, keep: bool = True) -> dict[str, Tensor]:
         """The averaged weights under the model's names (a model ``state_dict``), whole
-        (under FSDP a collective: every rank calls it)."""
+        (under FSDP a collective: every rank calls it). ``keep=False``: a rank that only
+        takes part in the gathering, and keeps no copy (an empty dict)."""
         state = {}
         for name, average, dtensor in zip(self.names, self.average, self.sharded, strict=True):
             if dtensor is None:
-                state[name] = average.detach().clone()
+                state[name] = average.detach().clone() if keep else average
             else:
                 from torch.distributed.tensor import DTensor
 
                 mesh, placements = dtensor.device_mesh, dtensor.placements
                 whole = DTensor.from_local(
                     average, mesh, placements, shape=dtensor.shape, stride=dtensor.stride()
-                )
-                state[name] = whole.full_tensor().cpu()
+                ).full_tensor()
+                state[name] = whole.cpu() if keep else whole
+        if not keep:
+            return {}
         state.update({name: t.detach().clone() for name, t in self.copied})
+        return state
+
+    def shards(self, counters: bool = True) -> dict[str, Any]:
+        """The average as it lives (views, no copy) under the model's names, FSDP's shards
+        as ``DTensor``s: for torch.distributed.checkpoint to save every rank's own part,
+        or to load into in place. ``counters``: with the copied buffers (a model's whole
+        state dict, as saved)."""
+        state: dict[str, Any] = {}
+        for name, average, dtensor in zip(self.names, self.average, self.sharded, strict=True):
+            if dtensor is None:
+                state[name] = average
+            else:
+                from torch.distributed.tensor import DTensor
+
+                state[name] = DTensor.from_local(
+                    average, dtensor.device_mesh, dtensor.placements, run_check=False,
+                    shape=dtensor.shape, stride=dtensor.stride(),
+                )  # fmt: skip
+        if counters:
+            state.update(self.copied)
         return state
 
     def load_state_dict(self, state: dict[str, Tensor]) -> None:

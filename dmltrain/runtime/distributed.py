@@ -77,6 +77,11 @@ class Strategy:
         """What dumps the NCCL flight recorder's buffer (a hang's record), where there is one."""
         return None
 
+    def background_group(self) -> Any:
+        """A process group for collectives made in a background thread while the loop's go
+        on (an asynchronous sharded save's): None, the default, with one process."""
+        return None
+
     def wrap_model(
         self,
         model: nn.Module,
@@ -157,6 +162,10 @@ class Strategy:
     def all_gather_object(self, obj: Any) -> list[Any]:
         return [obj]
 
+    def gather_object(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` on rank 0 (None on the others): what only rank 0 writes."""
+        return [obj]
+
     def barrier(self) -> None:
         pass
 
@@ -201,6 +210,8 @@ class Strategy:
 
 class DDPStrategy(Strategy):
     name = "ddp"
+    control: Any = None  # NCCL runs: a Gloo group for the loop's small control collectives
+    background: Any = None  # background_group()
 
     def setup(self, environment: RunEnvironment | None = None) -> DistInfo:
         backend = resolve_backend(self.config.backend, self.info.device)
@@ -247,7 +258,15 @@ class DDPStrategy(Strategy):
 
     def _groups(self) -> list[Any]:
         """Every process group this strategy made (None: the default one)."""
-        return [None] if self.control is None else [None, self.control]
+        return [None, *(g for g in (self.control, self.background) if g is not None)]
+
+    def background_group(self) -> Any:
+        """Made at the first call, by every rank: a Gloo group on the CPU, apart from the
+        loop's, whose collectives must not interleave with a background thread's."""
+        if self.background is None:
+            timeout = datetime.timedelta(seconds=self.config.dist_timeout)
+            self.background = dist.new_group(backend="gloo", timeout=timeout)
+        return self.background
 
     def wrap_model(
         self,
@@ -313,6 +332,11 @@ class DDPStrategy(Strategy):
     def all_gather_object(self, obj: Any) -> list[Any]:
         gathered: list[Any] = [None] * self.info.world_size
         dist.all_gather_object(gathered, obj)
+        return gathered
+
+    def gather_object(self, obj: Any) -> list[Any] | None:
+        gathered: list[Any] | None = [None] * self.info.world_size if self.info.is_main else None
+        dist.gather_object(obj, gathered, dst=0)
         return gathered
 
     def barrier(self) -> None:
@@ -497,6 +521,10 @@ class HorovodStrategy(Strategy):
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         return list(self.hvd.allgather_object(obj, name="dmltrain.all_gather_object"))
+
+    def gather_object(self, obj: Any) -> list[Any] | None:
+        gathered = self.all_gather_object(obj)  # Horovod has no gather to one rank
+        return gathered if self.info.is_main else None
 
     def barrier(self) -> None:
         self.hvd.barrier()
