@@ -2,6 +2,7 @@
 missing component, and inside a real 2-task Slurm job step."""
 
 import os
+import re
 import subprocess
 
 import pytest
@@ -22,6 +23,7 @@ def test_doctor_passes_here(tmp_path):
     horovod = row(done.stdout, "Horovod")
     assert "PASS" in horovod and "framework PyTorch" in horovod and "gloo" in horovod
     assert "sum 3 (expected 3)" in row(done.stdout, "horovod all-reduce")
+    assert re.search(r"[\d.]+ s from this process's start to here", row(done.stdout, "start-up"))
     assert "logged in" in row(done.stdout, "wandb") and "not logged" not in done.stdout
     assert done.stdout.strip().endswith("all required checks passed")
 
@@ -64,3 +66,5 @@ def test_doctor_checks_all_tasks_of_a_slurm_job_step(tmp_path, slurm):
     assert text.count("dmltrain doctor on") == 1  # rank 0 prints
     assert "(2 processes)" in text
     assert "2 processes: sum 3 (expected 3)" in row(text, "gloo all-reduce")
+    assert re.search(r"slowest node \S+ [\d.]+ s, fastest \S+ [\d.]+ s, over 1 node ",
+                     row(text, "start-up"))  # fmt: skip

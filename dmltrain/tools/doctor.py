@@ -14,7 +14,9 @@ a wandb login. Anything else that is missing is reported with its fix but is not
 import argparse
 import datetime
 import importlib.metadata
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,9 +39,11 @@ class Check:
         return "PASS" if self.ok else ("FAIL" if self.required else "MISSING")
 
 
-def _all_reduce(rank: int, world: int, backend: str, addr: str, port: int, device: str) -> float:
+def _all_reduce(
+    rank: int, world: int, backend: str, addr: str, port: int, device: str, share: Any = None
+) -> tuple[float, list[Any]]:
     """The sum over ranks of rank+1, after the checks across hosts
-    (``dmltrain.runtime.preflight``)."""
+    (``dmltrain.runtime.preflight``), and every rank's ``share``."""
     interface = launch.run_environment().socket_interface is not None
     store = preflight.rendezvous(rank, world, addr, port, 60, interface)
     timeout = datetime.timedelta(seconds=60)
@@ -48,7 +52,9 @@ def _all_reduce(rank: int, world: int, backend: str, addr: str, port: int, devic
     try:
         value = torch.tensor([float(rank + 1)], device=device)
         dist.all_reduce(value)
-        return float(value.item())
+        shared: list[Any] = [None] * world
+        dist.all_gather_object(shared, share)
+        return float(value.item()), shared
     finally:
         dist.destroy_process_group()
 
@@ -57,15 +63,21 @@ def _local_worker(rank: int, backend: str, port: int, results: Any) -> None:
     device = f"cuda:{rank}" if backend == "nccl" else "cpu"
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    results[rank] = _all_reduce(rank, 2, backend, "127.0.0.1", port, device)
+    results[rank] = _all_reduce(rank, 2, backend, "127.0.0.1", port, device)[0]
 
 
 def all_reduce_check(
-    backend: str, info: launch.DistInfo, required: bool, port_offset: int = 1
+    backend: str,
+    info: launch.DistInfo,
+    required: bool,
+    port_offset: int = 1,
+    started: float = 0.0,
+    starts: list[Any] | None = None,
 ) -> Check:
     """All-reduce of rank+1 over every process: the sum must be w(w+1)/2. Under a
     launcher, at the launcher's port + ``port_offset``: each check its own port, so that
-    a fast rank of the next check never reaches the store of the one before it."""
+    a fast rank of the next check never reaches the store of the one before it. Every
+    rank's (host, ``started``: its start-up seconds) are appended to ``starts``."""
     world = info.world_size if info.distributed else 2
     where = f"{world} processes" + ("" if info.distributed else " on this node")
     expected = world * (world + 1) / 2
@@ -75,7 +87,12 @@ def all_reduce_check(
             if backend == "nccl":
                 torch.cuda.set_device(torch.device(device))
             port = info.master_port + port_offset  # beside the launcher's, never the same
-            got = _all_reduce(info.rank, world, backend, info.master_addr, port, device)
+            share = (launch.hostname(), started)
+            got, shared = _all_reduce(
+                info.rank, world, backend, info.master_addr, port, device, share
+            )
+            if starts is not None:
+                starts.extend(shared)
         else:
             context = torch.multiprocessing.get_context("spawn")
             results = context.Manager().dict()
@@ -101,7 +118,44 @@ def all_reduce_check(
     return Check(f"{backend} all-reduce", ok, f"{where}: sum {got:g} (expected {expected:g})")
 
 
-def checks(args: argparse.Namespace, info: launch.DistInfo) -> list[Check]:
+def _started_seconds_ago() -> float:
+    """Seconds since this process started (Linux's /proc; 0 elsewhere): the interpreter
+    and the imports of torch and dmltrain, which a shared file system read by every rank
+    at once can make minutes."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(0.0, uptime - int(fields[19]) / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+SLOW_START = 60.0  # seconds: worth staging the environment on the nodes
+
+
+def start_up_check(started: float, starts: list[Any]) -> Check:
+    """How long the processes took to start (``started`` here; ``starts``: every rank's
+    host and seconds), by node: the slowest rank of each."""
+    if not starts:
+        detail = f"{started:.1f} s from this process's start to here (Python, torch, dmltrain)"
+        slowest = started
+    else:
+        nodes: dict[str, float] = {}
+        for host, seconds in starts:
+            nodes[host] = max(seconds, nodes.get(host, 0.0))
+        ranked = sorted(nodes.items(), key=lambda item: item[1])
+        (fast, fastest), (slow, slowest) = ranked[0], ranked[-1]
+        detail = (
+            f"slowest node {slow} {slowest:.1f} s, fastest {fast} {fastest:.1f} s, over "
+            f"{len(nodes)} node{'s' if len(nodes) > 1 else ''} (Python, torch, dmltrain)"
+        )
+    if slowest > SLOW_START:
+        detail += "; slow: stage the environment on the nodes (docs/launching.md)"
+    return Check("start-up", True, detail)
+
+
+def checks(args: argparse.Namespace, info: launch.DistInfo, started: float = 0.0) -> list[Check]:
+    """``started``: seconds from this process's start to the checks."""
     out = [Check("torch", True, f"{torch.__version__} (Python {_python()})")]
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     out.append(
@@ -145,7 +199,9 @@ def checks(args: argparse.Namespace, info: launch.DistInfo) -> list[Check]:
     horovod = _horovod(args.horovod)
     out.append(horovod)
     out.append(_wandb(args.wandb, launch.run_environment()))
-    out.append(all_reduce_check("gloo", info, True))
+    starts: list[Any] = []
+    out.append(all_reduce_check("gloo", info, True, started=started, starts=starts))
+    out.append(start_up_check(started, starts))
     if nccl and (info.distributed or gpus >= 2):
         out.append(all_reduce_check("nccl", info, args.gpu, port_offset=2))
     if horovod.ok and not info.distributed:
@@ -249,8 +305,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    started = _started_seconds_ago()  # before the checks' own imports (wandb, horovod)
     info = launch.detect("auto", 1)
-    results = checks(args, info)
+    results = checks(args, info, started)
     failed = [c.name for c in results if c.required and not c.ok]
     if info.is_main:
         hosts = f" ({info.world_size} processes)" if info.distributed else ""
