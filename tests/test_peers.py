@@ -112,3 +112,25 @@ def test_local_state_and_the_line():
         child.kill()
         child.wait()
     assert local_state(child.pid) == "gone"
+
+
+def test_a_survivor_still_waiting_is_not_named_beside_a_lost_node():
+    """8 ranks over two hosts lose node2's four; ranks 1 and 2 of this host, whose
+    collectives have not failed yet, miss the roll call too: only node2's are named. With
+    no rank gone by that rule, every rank that missed it is."""
+    waiting = subprocess.Popen(["sleep", "30"])
+    try:
+        here = socket.gethostname()
+        peers = [(here, 1), (here, waiting.pid), (here, waiting.pid), (here, 1),
+                 *[("node2", 7)] * 4]  # fmt: skip
+        line = describe(RuntimeError("Connection closed by peer"), [1, 2, 4, 5, 6, 7],
+                        peers, 0, here)  # fmt: skip
+        assert line == ("lost contact with " + ", ".join(
+            f"rank {r} on node2 (not answering)" for r in (4, 5, 6, 7)
+        ) + ": Connection closed by peer")  # fmt: skip
+        line = describe(RuntimeError("Timed out"), [1, 5], peers, 0, here)
+        assert line == (f"lost contact with rank 1 on {here} (running), rank 5 on node2 "
+                        "(not answering): Timed out")  # fmt: skip
+    finally:
+        waiting.kill()
+        waiting.wait()

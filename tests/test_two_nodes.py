@@ -3,6 +3,7 @@ namespaces on this machine (tests/cluster/two_node_slurm.sh: node1 and node2, ea
 its own address and hostname), CPU and Gloo. Each run ends bitwise equal to the same
 number of processes on one host (tiny_reference: --nprocs 2, a thread each)."""
 
+import contextlib
 import os
 import re
 import shlex
@@ -185,6 +186,8 @@ def test_doctor_all_reduces_across_both_nodes(two_nodes, tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     gloo = next(line for line in done.stdout.splitlines() if "gloo all-reduce" in line)
     assert "2 processes: sum 3 (expected 3)" in gloo
+    start = next(line for line in done.stdout.splitlines() if line.startswith("start-up "))
+    assert re.search(r"slowest node node\d [\d.]+ s, fastest node\d [\d.]+ s, over 2 nodes", start)
 
 
 def test_derecho_sh_mpiexec_starts_a_rank_on_each_host(two_nodes, tiny_reference, tmp_path):
@@ -229,22 +232,26 @@ def start_on_nodes(
     run: Path | None,
     names: tuple[str, str] = ("node1", "node2"),
     rank1: dict[str, str] | None = None,
+    per_node: int = 1,
 ) -> list[subprocess.Popen]:
     """``python -m dmltrain ARGS`` as rank 0 on node1 and rank 1 on node2 (the variables
     torchrun would set; the rendezvous at node1's address). ``names``: the hostnames they
-    run under; ``rank1``: what rank 1's environment has different; ``run``: the run
-    directory (None: a command that takes none)."""  # fmt: skip
+    run under; ``rank1``: what node2's ranks' environment has different; ``run``: the run
+    directory (None: a command that takes none); ``per_node``: ranks a node (0 to
+    per_node - 1 on node1)."""  # fmt: skip
     port = free_port()  # free here; nothing else listens in node1's namespace
     procs = []
-    for rank in (0, 1):
+    for rank in range(2 * per_node):
+        node = rank // per_node
         where = [] if run is None else ["--run-dir", str(run)]
         command = shlex.join([sys.executable, "-m", "dmltrain", *args, *where])
-        env = cli_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK="0",
-                      MASTER_ADDR="10.213.0.11", MASTER_PORT=str(port))  # fmt: skip
-        env.update(rank1 or {} if rank == 1 else {})
+        env = cli_env(RANK=str(rank), WORLD_SIZE=str(2 * per_node),
+                      LOCAL_RANK=str(rank % per_node), MASTER_ADDR="10.213.0.11",
+                      MASTER_PORT=str(port))  # fmt: skip
+        env.update(rank1 or {} if node == 1 else {})
         procs.append(subprocess.Popen(
-            ["nsenter", f"--net=/run/netns/dmln{rank + 1}", "unshare", "--uts", "sh", "-c",
-             f"hostname {names[rank]} && exec {command}"],
+            ["nsenter", f"--net=/run/netns/dmln{node + 1}", "unshare", "--uts", "sh", "-c",
+             f"hostname {names[node]} && exec {command}"],
             cwd=run.parent if run else None, env=env, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True,
         ))  # fmt: skip
@@ -301,11 +308,7 @@ def test_a_lost_node_is_named_and_the_run_resumes_bitwise(two_nodes, tiny_refere
         if fault == "link down":
             subprocess.run(["ip", "link", "set", "vh2", "down"], check=True)
         elif fault == "node2 killed":
-            pids = subprocess.run(["ip", "netns", "pids", "dmln2"], capture_output=True,
-                                  text=True, check=True).stdout.split()  # fmt: skip
-            for pid in pids:  # all but the cluster's own daemons, which later tests use
-                if Path(f"/proc/{pid}/comm").read_text().strip() not in ("slurmd", "slurmstepd"):
-                    os.kill(int(pid), signal.SIGKILL)
+            kill_node2()
         else:
             os.kill(procs[1].pid, signal.SIGSTOP)
         if fault == "rank 1 stopped":
@@ -323,6 +326,35 @@ def test_a_lost_node_is_named_and_the_run_resumes_bitwise(two_nodes, tiny_refere
     assert code == 5, err[-3000:]
     assert "[rank 0] stopping: lost contact with rank 1 on node2 (not answering)" in lost_line(err)
     resumed_equals_reference(run, tiny_reference)
+
+
+def kill_node2() -> None:
+    """Every process in node2's namespace but the cluster's own daemons (later tests use
+    them): as a node that fails."""
+    pids = subprocess.run(["ip", "netns", "pids", "dmln2"], capture_output=True, text=True,
+                          check=True).stdout.split()  # fmt: skip
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            if Path(f"/proc/{pid}/comm").read_text().strip() not in ("slurmd", "slurmstepd"):
+                os.kill(int(pid), signal.SIGKILL)
+
+
+def test_a_lost_node_of_four_ranks_is_named_among_eight(two_nodes, tmp_path):
+    """8 ranks, 4 a node; every process on node2 is killed mid-epoch. Every survivor on
+    node1 stops with status 5, and rank 0's line names node2's ranks 4-7, each on node2,
+    and no rank of node1."""
+    run = tmp_path / "run"
+    procs = start_on_nodes([*LOST, "--batch-size", "2"], run, per_node=4)
+    try:
+        wait_for_line(procs[0], "epoch 1/3 step 5/")  # after the checkpoint of step 4
+        kill_node2()
+        results = ends(procs[:4], 20 + 30)
+    finally:
+        for proc in procs:
+            proc.kill()
+    assert [code for code, _, _ in results] == [5, 5, 5, 5], results[0][2][-3000:]
+    line = lost_line(results[0][2]).split("lost contact with ", 1)[1].split(": ", 1)[0]
+    assert line == ", ".join(f"rank {r} on node2 (not answering)" for r in range(4, 8)), line
 
 
 def test_a_job_that_lost_a_node_ends_requeues_and_resumes_bitwise(two_nodes, tiny_reference,

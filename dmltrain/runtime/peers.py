@@ -99,7 +99,9 @@ def _roll_call(
         missing = [r for r in range(1, world_size) if not store.check([f"{_ALIVE}/{r}"])]
         store.set(_MISSING, json.dumps(missing))
         time.sleep(1.0)  # the store lives in this process: the others may still be reading
-        return missing
+        # Ranks that check in meanwhile were alive, waiting in a collective that failed only
+        # when a survivor left: not lost, though they may have left by now too.
+        return [r for r in missing if not store.check([f"{_ALIVE}/{r}"])]
     except Exception:  # a store that cannot be reached raises whatever its transport does
         return None
 
@@ -148,6 +150,23 @@ def local_state(pid: int) -> str:
     return {"Z": "gone", "X": "gone", "T": "stopped", "t": "stopped"}.get(state, "running")
 
 
+def _gone(missing: list[int], peers: Sequence[tuple[str, int]], here: str) -> list[int]:
+    """Of ``missing``, the ranks on this host that are not running and those on hosts
+    from which no rank checked in."""
+    absent = set(missing)
+    answered = {host for r, (host, _) in enumerate(peers) if r not in absent}
+    return [
+        r
+        for r in missing
+        if r < len(peers)
+        and (
+            local_state(peers[r][1]) != "running"
+            if peers[r][0] == here
+            else peers[r][0] not in answered
+        )
+    ]
+
+
 def named(rank: int, peers: Sequence[tuple[str, int]], here: str) -> str:
     """'rank R on HOST (state)': a rank of this host as ``/proc`` says it is (gone,
     stopped), another host's as not answering."""
@@ -163,10 +182,18 @@ def describe(
     rank: int,
     here: str,
 ) -> str:
-    """One line: which ranks on which hosts this rank lost contact with, and the error."""
+    """One line: which ranks on which hosts this rank lost contact with, and the error.
+
+    Of the ranks that did not check in, those named are the ones that are gone: a rank of
+    this host whose process is not running, a rank of a host none of whose ranks checked
+    in. A survivor still waiting in a collective that has not failed yet (its neighbours
+    are alive; it gives up at --dist-timeout) misses the roll call too, and is not named
+    while another rank explains the loss; where none does, every rank missing is named."""
     busy = isinstance(missing, Rank0Busy)
     # the store is rank 0's: where it does not answer, or rank 0 does not, it is rank 0
     lost = [0] if missing is None or isinstance(missing, Rank0Busy) else missing
+    if isinstance(missing, list):
+        lost = _gone(missing, peers, here) or missing
     parts = []
     for r in lost:
         if r == rank or r >= len(peers):
