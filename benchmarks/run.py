@@ -26,7 +26,7 @@ sys.path.insert(0, str(HERE.parent))
 from benchmarks.common import machine  # noqa: E402
 
 # Those whose quick mode still takes tens of seconds, and that have a smaller size (--smoke).
-SMOKE_SIZES = ("overhead", "scaling", "threads", "big_models")
+SMOKE_SIZES = ("overhead", "scaling", "threads", "big_models", "ranks")
 BENCHMARKS = [
     "overhead",
     "startup",
@@ -40,6 +40,7 @@ BENCHMARKS = [
     "monitor",
     "streaming",
     "big_models",
+    "ranks",
 ]
 
 
@@ -93,6 +94,11 @@ def targets(reports: dict) -> list[tuple[str, str, str, bool]]:
     if ck:
         r = ck["checkpoint: async / sync blocking"]
         rows.append(("async checkpoint blocking vs sync save", f"{r:.2f}x", "<= 0.10x", r <= 0.1))
+    ranks = reports.get("ranks", {}).get("ratios", {})
+    if ranks:
+        r = ranks["sharded save: async / sync blocking"]
+        rows.append(("async sharded checkpoint blocking vs sync save", f"{r:.2f}x", "<= 0.10x",
+                     r <= 0.1))  # fmt: skip
     nan = reports.get("nan_check", {}).get("ratios", {})
     if nan:
         r = nan["nan-check: on / off"]

@@ -1,0 +1,229 @@
+"""What dmltrain's own work costs a rank as the job grows: 2, 4 and 8 Gloo processes here.
+
+    python benchmarks/ranks.py            # 2, 4 and 8 ranks, a 100M-value sharded state
+    python benchmarks/ranks.py --quick    # 2 and 4 ranks, a smaller state
+    python benchmarks/ranks.py --smoke    # 2 ranks
+
+Connections: the TCP connections a rank other than 0 holds to its peers (not to the
+store) after the collectives a training run makes (all-reduce, broadcast, barrier), with
+Gloo's full mesh (torch's default) and with the lazy connections dmltrain sets. Sharded
+save: how long the loop is blocked by a save of an FSDP-like state (every tensor sharded
+over the ranks, with two optimizer states each), the slowest rank's, median of the
+repetitions after the first, interleaved: ``dcp.save`` with its default planner (every
+save plans anew; dmltrain's save before), dmltrain's synchronous save (cached plan,
+pruning after the closing barrier) and its asynchronous save (the loop waits for a copy).
+Full resume: the bytes each rank asks read() for while every rank loads the same
+checkpoint and uses all of it (``rchar``; memory-mapped pages are shared by a node's
+ranks and read once by it).
+"""
+
+import argparse
+import contextlib
+import datetime
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def peer_connections(store_port: int) -> int:
+    """This process's established TCP connections, but those to or from the store."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            if (target := os.readlink(f"/proc/self/fd/{fd}")).startswith("socket:["):
+                inodes.add(target[8:-1])
+    count = 0
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/self/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            ports = {int(fields[1].split(":")[1], 16), int(fields[2].split(":")[1], 16)}
+            count += fields[3] == "01" and fields[9] in inodes and store_port not in ports
+    return count
+
+
+def connections(rank: int, world: int, port: int, lazy: bool, out: dict) -> None:
+    if lazy:
+        os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0,
+                          timeout=datetime.timedelta(seconds=120))  # fmt: skip
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    dist.all_reduce(torch.ones(1000))
+    dist.broadcast(torch.ones(1000), src=0)
+    dist.barrier()
+    out[rank] = peer_connections(port)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def sharded_state(world: int, values: int) -> dict:
+    """Model and optimizer state dicts of DTensors sharded over the ranks, as FSDP's."""
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (world,))
+    side = 512
+    layers = max(1, values // (3 * side * side))
+    torch.manual_seed(0)
+    model, optim = {}, {}
+    for layer in range(layers):
+        name = f"layers.{layer}.weight"
+        model[name] = distribute_tensor(torch.randn(side, side), mesh, [Shard(0)])
+        optim[name] = {
+            "exp_avg": distribute_tensor(torch.randn(side, side), mesh, [Shard(0)]),
+            "exp_avg_sq": distribute_tensor(torch.rand(side, side), mesh, [Shard(0)]),
+            "step": torch.tensor(1.0),
+        }
+    return {"model": model, "optimizer": {"state": optim}}
+
+
+def saves(rank: int, world: int, port: int, root: str, values: int, repeats: int,
+          out: dict) -> None:  # fmt: skip
+    import torch.distributed.checkpoint as dcp
+
+    from dmltrain.checkpoint.storage import CheckpointDir
+
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0,
+                          timeout=datetime.timedelta(seconds=300))  # fmt: skip
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    background = dist.new_group(backend="gloo")
+    shards = sharded_state(world, values)
+    plain = Path(root) / "plain"
+    sync = CheckpointDir(Path(root) / "sync", keep_last=1)
+    later = CheckpointDir(Path(root) / "async", keep_last=1, asynchronous=True)
+    meta = {"global_step": 0} if rank == 0 else None
+
+    def default_planner(step: int) -> None:
+        dcp.save(shards, storage_writer=dcp.FileSystemWriter(str(plain / str(step))))
+
+    def dmltrain_sync(step: int) -> None:
+        sync.save_sharded(shards, meta, 1, step, False, dist.barrier)
+
+    def dmltrain_async(step: int) -> None:
+        later.save_sharded(shards, meta, 1, step, False, dist.barrier, True, background)
+
+    contenders = {"dcp.save, default planner": default_planner,
+                  "dmltrain sync, cached plan": dmltrain_sync,
+                  "dmltrain async": dmltrain_async}  # fmt: skip
+    times: dict[str, list[float]] = {name: [] for name in contenders}
+    for step in range(repeats + 1):
+        for name, save in contenders.items():
+            dist.barrier()
+            started = time.perf_counter()
+            save(step)
+            times[name].append(time.perf_counter() - started)
+            later.wait()  # each contender starts from a quiet disk
+            sync.wait()
+            if rank == 0:
+                shutil.rmtree(plain / str(step), ignore_errors=True)
+    out[rank] = {name: seconds[1:] for name, seconds in times.items()}  # after the first
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def read_chars() -> int:
+    """Bytes this process has asked read() for (``rchar``): what a file system serves it
+    when its cache does not hold the file, as on a node that has not read it yet."""
+    line = next(x for x in Path("/proc/self/io").read_text().splitlines() if x.startswith("rchar"))
+    return int(line.split()[1])
+
+
+def resumes(rank: int, world: int, port: int, path: str, out: dict) -> None:
+    """Every rank loads the same full checkpoint, as a resume does, and uses every tensor:
+    ``torch.load`` (dmltrain's load before) and ``load_file`` (memory-mapped)."""
+    from dmltrain.checkpoint.storage import load_file
+
+    def use(state: dict) -> float:
+        return float(sum(t.sum() for t in state["model"].values()))
+
+    loads = {"torch.load": lambda: torch.load(path, weights_only=True),
+             "dmltrain (mmap)": lambda: load_file(Path(path))}  # fmt: skip
+    measured = {}
+    for name, load in loads.items():
+        before, started = read_chars(), time.perf_counter()
+        use(load())
+        measured[name] = (read_chars() - before, time.perf_counter() - started)
+    out[rank] = measured
+
+
+def spawn(target, world: int, *args) -> dict:
+    from dmltrain.runtime.launch import free_port
+
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        out = manager.dict()
+        port = free_port()
+        procs = [ctx.Process(target=target, args=(rank, world, port, *args, out))
+                 for rank in range(world)]  # fmt: skip
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(600)
+            if proc.exitcode != 0:
+                raise RuntimeError(f"a rank of {target.__name__} at {world} ranks failed")
+        return dict(out)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--smoke", action="store_true")
+    args = parser.parse_args(argv)
+    worlds = (2,) if args.smoke else (2, 4) if args.quick else (2, 4, 8)
+    values = 3 * 512 * 512 * (4 if args.smoke else 32 if args.quick else 128)
+    repeats = 2 if args.smoke else 3
+    lines = [
+        "| ranks | connections a rank: full mesh | lazy (dmltrain) | sharded save blocks: "
+        "dcp.save, default planner (s) | dmltrain sync (s) | dmltrain async (s) | "
+        "async / sync | full resume, bytes read a rank: torch.load | dmltrain (mmap) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    ratios = {}
+    for world in worlds:
+        held = {lazy: max(spawn(connections, world, lazy)[r] for r in range(1, world))
+                for lazy in (False, True)}  # fmt: skip
+        root = Path(tempfile.mkdtemp(prefix="dmltrain-bench-ranks-"))
+        try:
+            ranks = spawn(saves, world, str(root), values, repeats)
+            checkpoint = root / "full.pt"
+            model = {f"w{i}": torch.randn(values // 64) for i in range(64)}
+            torch.save({"model": model, "format_version": 1}, checkpoint)
+            loaded = spawn(resumes, world, str(checkpoint))
+            size = checkpoint.stat().st_size
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+        blocked = {
+            name: statistics.median(
+                max(ranks[r][name][i] for r in ranks) for i in range(repeats)
+            )  # the loop waits for the slowest rank
+            for name in ranks[0]
+        }
+        old, sync, later = blocked.values()
+        read = [statistics.mean(loaded[r][name][0] for r in loaded) / size for name in loaded[0]]
+        ratios = {
+            "sharded save: async / sync blocking": later / sync,
+            "connections a rank: lazy / full mesh": held[True] / held[False],
+            "full resume: bytes read a rank, mmap / torch.load": read[1] / read[0],
+        }  # at the most ranks measured
+        lines.append(f"| {world} | {held[False]} | {held[True]} | {old:.3f} | {sync:.3f} | "
+                     f"{later:.3f} | {later / sync:.2f}x | {read[0]:.2f}x the file | "
+                     f"{read[1]:.3f}x |")  # fmt: skip
+    head = (f"sharded state: {values / 1e6:.0f}M values over the ranks; median of {repeats} "
+            "saves after the first, the slowest rank's, interleaved; full resume: a "
+            f"{size / 2**20:.0f} MiB checkpoint loaded by every rank at once")  # fmt: skip
+    text = "\n".join([head, "", *lines])
+    print(text, flush=True)
+    return {"markdown": text, "ratios": ratios}
+
+
+if __name__ == "__main__":
+    main()
