@@ -58,17 +58,12 @@ class EMA:
         (under FSDP a collective: every rank calls it). ``keep=False``: a rank that only
         takes part in the gathering, and keeps no copy (an empty dict)."""
         state = {}
-        for name, average, dtensor in zip(self.names, self.average, self.sharded, strict=True):
-            if dtensor is None:
-                state[name] = average.detach().clone() if keep else average
-            else:
-                from torch.distributed.tensor import DTensor
-
-                mesh, placements = dtensor.device_mesh, dtensor.placements
-                whole = DTensor.from_local(
-                    average, mesh, placements, shape=dtensor.shape, stride=dtensor.stride()
-                ).full_tensor()
+        for name, value in self.shards(counters=False).items():
+            if hasattr(value, "full_tensor"):  # FSDP's shard: gathered whole
+                whole = value.full_tensor()
                 state[name] = whole.cpu() if keep else whole
+            else:
+                state[name] = value.detach().clone() if keep else value
         if not keep:
             return {}
         state.update({name: t.detach().clone() for name, t in self.copied})

@@ -191,9 +191,7 @@ def describe(
     while another rank explains the loss; where none does, every rank missing is named."""
     busy = isinstance(missing, Rank0Busy)
     # the store is rank 0's: where it does not answer, or rank 0 does not, it is rank 0
-    lost = [0] if missing is None or isinstance(missing, Rank0Busy) else missing
-    if isinstance(missing, list):
-        lost = _gone(missing, peers, here) or missing
+    lost = (_gone(missing, peers, here) or missing) if isinstance(missing, list) else [0]
     parts = []
     for r in lost:
         if r == rank or r >= len(peers):
