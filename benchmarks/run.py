@@ -151,10 +151,12 @@ def targets(reports: dict) -> list[tuple[str, str, str, bool]]:
                      r <= 1.01))  # fmt: skip
     co = reports.get("collectives", {}).get("model_1024_ranks_20us")
     if co:
-        share, interval, fixed = co["scaled_share"], co["scaled_interval"], co["fixed_share"]
-        rows.append(("preemption agreement at 1,024 ranks (ring model, 20 us a hop): share of "
-                     "training time", f"{share:.2%} (interval {interval:.1f} s; fixed 0.5 s: "
-                     f"{fixed:.2%})", "<= 1%", share <= 0.01 + 1e-9))  # fmt: skip
+        share, interval = co["pairwise_share"], co["pairwise_interval"]
+        rows.append(("preemption agreement at 1,024 ranks (pairwise exchanges, 20 us a hop and "
+                     "this machine's round): share of training time",
+                     f"{share:.2%} (interval {interval:.1f} s; the ring all-reduce before: "
+                     f"{co['scaled_share']:.2%}, interval {co['scaled_interval']:.1f} s)",
+                     "<= 1%", share <= 0.01 + 1e-9))  # fmt: skip
     return rows
 
 

@@ -20,7 +20,7 @@ BASE = ["tiny", "--nprocs", "2", "--batch-size", "4", "--epochs", "1", "--progre
         "--log-every", "2", "--step-sleep", "0.01"]  # fmt: skip
 
 
-def one_rank(values):  # a collective over one rank
+def one_rank(values, ops):  # a collective over one rank
     return values
 
 
@@ -55,15 +55,14 @@ def test_a_straggler_is_warned_of_across_hosts_and_said_on_a_shared_one(hosts):
 
     ranks = 2**20  # the slowest rank's number rides in the low bits of its time
 
-    def max_over(mine):  # what the collectives give rank 0: rank 1's numbers filled in
-        if len(mine) == 2:  # the largest data-wait share; the slowest rank
-            return [mine[0], 3 * (mine[1] // ranks) * ranks + 1]
+    def over(mine, ops):  # what the collective gives rank 0: rank 1's numbers filled in
+        if len(mine) == 3:  # the largest data-wait share; the slowest rank; the sum
+            assert ops == ["max", "max", "sum"]
+            return [mine[0], 3 * (mine[1] // ranks) * ranks + 1, 4 * mine[2]]
+        assert ops == ["max"] * 6
         return [*mine[:3], mine[0], mine[1], 3 * mine[2]]  # every rank's, when one is slow
 
-    def sum_over(mine):
-        return [4 * mine[0]]
-
-    monitor = Monitor(clock, max_over, sum_over, 0, hosts, 1.2, warnings.append, None,
+    monitor = Monitor(clock, over, 0, hosts, 1.2, warnings.append, None,
                       say=said.append)  # fmt: skip
     step = clock.timed(lambda batch: time.sleep(0.005))
     for _ in range(2):
@@ -83,23 +82,20 @@ def test_a_straggler_is_warned_of_across_hosts_and_said_on_a_shared_one(hosts):
 
 
 def test_an_interval_sends_the_same_few_numbers_whatever_the_number_of_ranks():
-    """1,024 ranks of the same speed: 2 numbers to a maximum and 1 to a sum each interval;
-    every rank's numbers (3 a rank) only in the interval where one rank is slow."""
+    """1,024 ranks of the same speed: one collective of 3 numbers each interval (2 to a
+    maximum, 1 to a sum); every rank's numbers (3 a rank) only in the interval where one rank
+    is slow."""
     clock, sent = StepClock(torch.device("cpu")), []
     slow_rank = [False]
 
-    def max_over(mine):
-        sent.append(("max", len(mine)))
-        if len(mine) != 2:
+    def over(mine, ops):
+        sent.append(("".join(op[0] for op in ops) if len(ops) == 3 else ops[0], len(mine)))
+        if len(mine) != 3:
             return mine
         own = mine[1] // 2**20
-        return [mine[0], (3 * own if slow_rank[0] else own) * 2**20 + 7]
+        return [mine[0], (3 * own if slow_rank[0] else own) * 2**20 + 7, 1024 * mine[2]]
 
-    def sum_over(mine):
-        sent.append(("sum", len(mine)))
-        return [1024 * mine[0]]
-
-    monitor = Monitor(clock, max_over, sum_over, 0, [f"node{r // 4}" for r in range(1024)],
+    monitor = Monitor(clock, over, 0, [f"node{r // 4}" for r in range(1024)],
                       1.2, lambda line: None, None)  # fmt: skip
     step = clock.timed(lambda batch: time.sleep(0.002))
     for slow in (False, False, True):
@@ -108,12 +104,12 @@ def test_an_interval_sends_the_same_few_numbers_whatever_the_number_of_ranks():
             step(batch)
             clock.step()
         monitor.interval(2)
-    assert sent == [("max", 2), ("sum", 1)] * 2 + [("max", 2), ("sum", 1), ("max", 3 * 1024)]
+    assert sent == [("mms", 3)] * 3 + [("max", 3 * 1024)]
 
 
 def test_a_data_bound_interval_twice_in_a_row_warns_once():
     clock, warnings = StepClock(torch.device("cpu")), []
-    monitor = Monitor(clock, one_rank, one_rank, 0, ["node1"], 1.2, warnings.append, None,
+    monitor = Monitor(clock, one_rank, 0, ["node1"], 1.2, warnings.append, None,
                       flops_per_sample=1e9, global_batch=8,
                       workers_hint="raise --num-workers")  # fmt: skip
 
@@ -226,7 +222,7 @@ def test_on_a_gpu_mfu_is_the_achieved_flops_over_a_known_peak():
     a @ a
     torch.cuda.synchronize()
     clock, warnings = StepClock(device), []
-    monitor = Monitor(clock, one_rank, one_rank, 0, ["gpu"], 1.2, warnings.append, None,
+    monitor = Monitor(clock, one_rank, 0, ["gpu"], 1.2, warnings.append, None,
                       flops_per_sample=2.0 * n**3, peak=peak, global_batch=1)  # fmt: skip
     step = clock.timed(lambda batch: a @ a)
     for batch in clock.batches(range(50)):

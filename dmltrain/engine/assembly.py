@@ -301,8 +301,7 @@ class TrainerSetup(TrainingLoop):
         hint = monitor.workers_hint(me["threads"] + me["workers"], me["workers"])  # its own CPUs
         self._monitor = Monitor(
             self._step_clock,
-            self.strategy.max_over_ranks,
-            self.strategy.sum_over_ranks,
+            self.strategy.over_ranks,
             dist.rank,
             [entry["host"] for entry in self._ranks],
             cfg.monitoring.straggler_factor,

@@ -6,9 +6,10 @@ the loss: no collective runs there under DDP, so a slow rank's own work shows in
 GPU, CUDA events around it, read at the log interval, as the host only queues kernels).
 Nothing is synchronised per step.
 
-At each log interval, two small collectives of a fixed size (on the control group) bring
-the largest share of time spent waiting for data, the slowest rank and the sum of every
-rank's time: the same few numbers whatever the number of ranks. Every rank's numbers are
+At each log interval, one small collective of a fixed size (on the control group:
+``dmltrain.runtime.control``) brings the largest share of time spent waiting for data, the
+slowest rank and the sum of every rank's time: the same few numbers whatever the number of
+ranks. Every rank's numbers are
 gathered only when the slowest is slower than the mean of the others by
 ``--straggler-factor``. Rank 0 then
 
@@ -33,6 +34,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from dmltrain.runtime import control
 
 STALL_SHARE = 0.2  # of the interval's time spent waiting for data
 STALL_INTERVALS = 2  # in a row, before a warning
@@ -166,8 +169,7 @@ class Monitor:
     """The log interval's numbers of all ranks (``interval``, every rank calls it)."""
 
     clock: StepClock
-    max_over_ranks: Callable[[list[int]], list[int]]  # element-wise, over the ranks
-    sum_over_ranks: Callable[[list[int]], list[int]]
+    over_ranks: Callable[[list[int], list[str]], list[int]]  # element-wise, by each one's op
     rank: int
     hosts: list[str]  # of every rank
     factor: float  # --straggler-factor
@@ -185,7 +187,7 @@ class Monitor:
     _warned: set[Any] = field(default_factory=set)
 
     def interval(self, step: int) -> dict[str, float]:
-        """Every rank, at the log interval: two collectives of a fixed size (the largest
+        """Every rank, at the log interval: one collective of a fixed size (the largest
         data-wait share and the slowest rank; the sum of the ranks' times), and every
         rank's numbers only when one rank is slower than the mean of the others by the
         factor. Rank 0 gets the values to show and track; the others an empty dict."""
@@ -194,8 +196,9 @@ class Monitor:
         steps, seconds, wait, compute = self.clock.read()
         world, own = len(self.hosts), _ticks(wait + compute)
         share = int(wait / seconds * _PPM) if seconds > 0 else 0
-        most, slowest = self.max_over_ranks([share, own * _RANKS + self.rank])
-        (total,) = self.sum_over_ranks([own])
+        most, slowest, total = self.over_ranks(
+            [share, own * _RANKS + self.rank, own], [control.MAX, control.MAX, control.SUM]
+        )
         slowest, slow_own = slowest % _RANKS, slowest // _RANKS
         others = (total - slow_own) / (world - 1) if world > 1 else 0.0
         per_rank = None
@@ -204,7 +207,7 @@ class Monitor:
             table[3 * self.rank : 3 * self.rank + 3] = [
                 _ticks(seconds), _ticks(wait), _ticks(compute)
             ]  # fmt: skip
-            table = self.max_over_ranks(table)
+            table = self.over_ranks(table, [control.MAX] * len(table))
             per_rank = [
                 (table[3 * r] / _US, table[3 * r + 1] / _US, table[3 * r + 2] / _US)
                 for r in range(world)

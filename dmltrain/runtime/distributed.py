@@ -14,7 +14,7 @@ import contextlib
 import datetime
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -28,7 +28,7 @@ from dmltrain.compat import nccl_flight_recorder, uncompiled
 from dmltrain.config import DistConfig, MemoryConfig
 from dmltrain.data.samples import ResumableSampler, ShardSampler
 from dmltrain.errors import PeerFailed, PeerLost, UserError, first_line
-from dmltrain.runtime import launch, peers, preflight, sharding
+from dmltrain.runtime import control, launch, peers, preflight, sharding
 from dmltrain.runtime.launch import DistInfo, RunEnvironment, default_device, hostname
 
 
@@ -142,14 +142,16 @@ class Strategy:
     def all_reduce_sum(self, tensor: Tensor) -> Tensor:
         return tensor
 
+    def over_ranks(self, values: list[int], ops: Sequence[str]) -> list[int]:
+        """``values`` combined element-wise over ranks, each by its op (``control.MAX``:
+        of flags, any rank; ``control.SUM``): one small CPU collective, no GPU sync."""
+        return list(values)
+
     def max_over_ranks(self, values: list[int]) -> list[int]:
-        """Element-wise maximum over ranks (of flags: any rank): one small CPU collective,
-        no GPU sync."""
-        return values
+        return self.over_ranks(values, [control.MAX] * len(values))
 
     def sum_over_ranks(self, values: list[int]) -> list[int]:
-        """Element-wise sum over ranks, as ``max_over_ranks``."""
-        return values
+        return self.over_ranks(values, [control.SUM] * len(values))
 
     def metric_gather(self) -> Callable[..., list[Tensor]] | None:
         """How a torchmetrics state is gathered from every rank (``gather(tensor, group)``
@@ -313,16 +315,9 @@ class DDPStrategy(Strategy):
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
 
-    def max_over_ranks(self, values: list[int]) -> list[int]:
-        return self._over_ranks(values, dist.ReduceOp.MAX)
-
-    def sum_over_ranks(self, values: list[int]) -> list[int]:
-        return self._over_ranks(values, dist.ReduceOp.SUM)
-
-    def _over_ranks(self, values: list[int], op: Any) -> list[int]:
-        tensor = torch.tensor(values, dtype=torch.int64)
-        dist.all_reduce(tensor, op=op, group=self.control)
-        return [int(v) for v in tensor.tolist()]
+    def over_ranks(self, values: list[int], ops: Sequence[str]) -> list[int]:
+        info = self.info
+        return control.over_ranks(values, ops, info.rank, info.world_size, self.control)
 
     def broadcast_object(self, obj: Any) -> Any:
         box = [obj]
@@ -495,13 +490,15 @@ class HorovodStrategy(Strategy):
     def all_reduce_sum(self, tensor: Tensor) -> Tensor:
         return self.hvd.allreduce(tensor, op=self.hvd.Sum)
 
-    def max_over_ranks(self, values: list[int]) -> list[int]:
-        tensor = torch.tensor(values, dtype=torch.int64)
-        return [int(v) for v in self.hvd.allreduce(tensor, op=self.hvd.Max).tolist()]
-
-    def sum_over_ranks(self, values: list[int]) -> list[int]:
-        tensor = torch.tensor(values, dtype=torch.int64)
-        return [int(v) for v in self.hvd.allreduce(tensor, op=self.hvd.Sum).tolist()]
+    def over_ranks(self, values: list[int], ops: Sequence[str]) -> list[int]:
+        result = list(values)
+        for op, reduce in ((control.MAX, self.hvd.Max), (control.SUM, self.hvd.Sum)):
+            where = [i for i, o in enumerate(ops) if o == op]
+            if where:
+                tensor = torch.tensor([values[i] for i in where], dtype=torch.int64)
+                for i, v in zip(where, self.hvd.allreduce(tensor, op=reduce).tolist(), strict=True):
+                    result[i] = int(v)
+        return result
 
     def metric_gather(self) -> Callable[..., list[Tensor]] | None:
         def gather(tensor: Tensor, group: Any = None) -> list[Tensor]:

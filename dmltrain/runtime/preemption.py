@@ -177,14 +177,14 @@ class AgreementSchedule:
     proposal, agreed in the same collective, is the count to the next one. Every rank
     counts the same boundaries, so all stop at the same one.
 
-    The agreement's cost grows with the number of ranks (a ring all-reduce takes 2(N-1)
-    hops), so the interval grows with it: each agreement also carries the duration of the
-    rank's previous one, and the shortest over ranks (the last rank to arrive waits only
-    for the collective itself) is the cost. The interval is ``seconds``, or ``cost /
-    share`` when that is longer, so the agreements take at most ``share`` of training time,
-    up to ``most_seconds`` (a signal must still be acted on well within a scheduler's
-    grace, which is minutes for dmltrain's batch scripts). ``seconds=0`` agrees at every
-    step, whatever the cost."""
+    The agreement's cost grows with the number of ranks (``control.over_ranks``: about
+    log2 N rounds), so the interval grows with it: each agreement also carries the
+    duration of the rank's previous one, and the shortest over ranks (the last rank to
+    arrive waits only for the collective itself) is the cost. The interval is
+    ``seconds``, or ``cost / share`` when that is longer, so the agreements take at most
+    ``share`` of training time, up to ``most_seconds`` (a signal must still be acted on
+    well within a scheduler's grace, which is minutes for dmltrain's batch scripts).
+    ``seconds=0`` agrees at every step, whatever the cost."""
 
     def __init__(
         self,
