@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from helpers import AT_ONCE, REQUIRE_ALL, ROOT, TINY, assert_same_run, run_cli
+from helpers import AT_ONCE, REQUIRE_ALL, ROOT, TESTS, TINY, assert_same_run, run_cli
 
 from dmltrain import TrainConfig, UserError
 from dmltrain.checkpoint.storage import (
@@ -302,7 +302,7 @@ def test_async_sharded_save_returns_before_it_is_written(tmp_path, monkeypatch):
     (latest,) = list_checkpoints(tmp_path / "ck")  # published, and the older one pruned
     assert latest.name == "ckpt-000001-00000002.dcp" and (latest / "trainer.pt").is_file()
     shards = {"model": {"w": torch.empty(1_000_000)}}
-    load_sharded(latest, shards)
+    load_sharded(latest, shards, load_file(latest)["index"])
     assert shards["model"]["w"].eq(1.0).all()
 
 
@@ -338,10 +338,18 @@ def test_fsdp_writes_sharded_checkpoints_and_resumes_bit_exactly(fsdp_run, tmp_p
                       cwd=tmp_path)  # fmt: skip
     assert stopped.returncode == 3, stopped.stderr[-3000:]
     assert (run / "checkpoints" / "ckpt-000002-00000009.dcp").is_dir()
-    resumed = run_cli(*args, cwd=tmp_path)
+    reads = tmp_path / "reads"
+    reads.mkdir()
+    path = os.pathsep.join(str(p) for p in (TESTS / "fixtures" / "reads", TESTS, ROOT))
+    resumed = run_cli(*args, cwd=tmp_path, PYTHONPATH=path, READS_DIR=str(reads),
+                      READS_SUFFIX=".metadata")  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resuming from" in resumed.stdout and "ckpt-000002-00000009.dcp" in resumed.stdout
     assert_same_run(fsdp_run, run)
+    # the checkpoint's index (DCP's .metadata): read by one rank, once, not by every rank
+    read = [line for f in reads.iterdir() for line in f.read_text().splitlines()]
+    assert len(list(reads.iterdir())) >= 3  # the command and its 2 ranks at least
+    assert read == [str(run / "checkpoints" / "ckpt-000002-00000009.dcp" / ".metadata")], read
 
 
 def test_async_sharded_checkpoints_give_the_same_run(fsdp_run, tmp_path):

@@ -325,12 +325,14 @@ class Checkpointer:
                     checked = load_file(Path(choice))
                 except UserError as exc:
                     failed = str(exc)
-        choice, failed = self.strategy.broadcast_object((choice, failed))
+        # a sharded checkpoint's index too: read once in all, not once a rank
+        index = checked.get("index") if checked is not None else None
+        choice, failed, index = self.strategy.broadcast_object((choice, failed, index))
         if failed is not None:
             raise UserError(failed)
         if choice is not None:
             path = Path(choice)
-            state = checked if checked is not None else load_file(path, check_shards=False)
+            state = checked if checked is not None else load_file(path, False, index)
             self._check_resumable(state, path)
             self._load(state, path, EVERYTHING)
             s = self.saved.state
@@ -467,7 +469,7 @@ class Checkpointer:
                 shards["optimizer"] = optim_state
             if saved.ema is not None and counters and state.get("ema_sharded"):
                 shards["ema"] = saved.ema.shards(counters=False)  # loaded into in place
-            load_sharded(path, shards)
+            load_sharded(path, shards, state["index"])
             if optimizer:
                 dcp().set_state_dict(
                     saved.model,

@@ -122,14 +122,16 @@ def is_sharded(path: Path) -> bool:
     return path.is_dir()
 
 
-def load_file(path: Path, check_shards: bool = True) -> dict[str, Any]:
+def load_file(path: Path, check_shards: bool = True, index: Any = None) -> dict[str, Any]:
     """Load a checkpoint (weights only, memory-mapped: the ranks of a node share its
     pages, and a tensor is read only when it is copied into the model); a clear UserError
     if it is unreadable.
 
     For a sharded checkpoint this is ``trainer.pt`` with ``model`` and ``optimizer`` set
-    to None (``load_sharded`` reads them) and the model's ``shapes``, once the shards are
-    checked to be complete (``check_shards``: one rank's stat() of every shard suffices).
+    to None (``load_sharded`` reads them), the model's ``shapes`` and the checkpoint's
+    ``index`` (read here unless given: one rank reads it and hands it to the others), once
+    the shards are checked to be complete (``check_shards``: one rank's stat() of every
+    shard suffices).
     """
     if not path.exists():
         raise UserError(f"checkpoint {path} does not exist")
@@ -139,9 +141,10 @@ def load_file(path: Path, check_shards: bool = True) -> dict[str, Any]:
             "(RUN_DIR/checkpoints/latest.pt), or --run-dir RUN_DIR to go on with a run"
         )
     if is_sharded(path):
-        shapes = sharded_shapes(path, check_shards=check_shards)  # raises if torn
+        index = read_index(path) if index is None else index
+        shapes = sharded_shapes(path, index, check_shards=check_shards)  # raises if torn
         state = _load(path / SHARDED_META, path)
-        state.update(model=None, optimizer=None, sharded=True, shapes=shapes)
+        state.update(model=None, optimizer=None, sharded=True, shapes=shapes, index=index)
     else:
         state = _load(path, path)
     if "model" not in state:
@@ -170,20 +173,26 @@ def _load(file: Path, checkpoint: Path) -> dict[str, Any]:
     return state
 
 
-def sharded_shapes(
-    path: Path, prefix: str = "model.", check_shards: bool = True
-) -> dict[str, tuple[int, ...]]:
-    """Model parameter shapes of a sharded checkpoint, after checking (``check_shards``)
-    all its shards exist and are long enough (a cheap test for a torn or truncated save:
-    a stat() a shard)."""
+def read_index(path: Path) -> Any:
+    """A sharded checkpoint's index (DCP's ``.metadata``: every shard's place, O(ranks x
+    tensors) bytes); a clear UserError when it is unreadable."""
     from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     try:
-        metadata = FileSystemReader(str(path)).read_metadata()
+        return FileSystemReader(str(path)).read_metadata()
     except Exception as exc:
         why = first_line(exc)
         raise UserError(f"checkpoint {path} is incomplete or corrupt ({why})") from None
+
+
+def sharded_shapes(
+    path: Path, metadata: Any, prefix: str = "model.", check_shards: bool = True
+) -> dict[str, tuple[int, ...]]:
+    """Model parameter shapes of a sharded checkpoint (``metadata``: its index), after
+    checking (``check_shards``) all its shards exist and are long enough (a cheap test for
+    a torn or truncated save: a stat() a shard)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     needed: dict[str, int] = {}
     for info in metadata.storage_data.values():
         end = info.offset + info.length
@@ -409,13 +418,19 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def load_sharded(path: Path, shards: dict[str, Any]) -> None:
+def load_sharded(path: Path, shards: dict[str, Any], index: Any) -> None:
     """Fill ``shards`` (state dicts from ``get_state_dict``, keys ``model``/``optimizer``)
-    in place from a sharded checkpoint; collective when a process group is up."""
+    in place from a sharded checkpoint whose ``index`` was read already (``load_file``);
+    collective when a process group is up."""
     import torch.distributed.checkpoint as dcp
 
+    class Reader(dcp.FileSystemReader):  # DCP would have every rank read the index again
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            index.storage_meta.load_id = self.load_id  # as FileSystemReader's own
+            return index
+
     try:
-        dcp.load(shards, storage_reader=dcp.FileSystemReader(str(path)))
+        dcp.load(shards, storage_reader=Reader(str(path)))
     except Exception as exc:
         raise UserError(f"cannot load {path}: {first_line(exc)}") from None
 
@@ -432,6 +447,7 @@ def consolidate(source: Path, target: Path, ema: bool = False) -> Path:
         raise UserError(f"{source} holds no averaged weights (trained without --ema-decay)")
     if target.exists() and target.is_dir():
         target = target / source.with_suffix(FULL).name
+    state.pop("index", None)
     if state.pop("sharded", False):
         tmp = target.with_name(f".{target.name}.tmp-consolidate-{os.getpid()}")
         try:
