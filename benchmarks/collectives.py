@@ -60,7 +60,9 @@ def _ring_max(values: list[int]) -> list[int]:  # DDPStrategy.max_over_ranks bef
 
 def _pairwise_max(values: list[int]) -> list[int]:  # DDPStrategy.max_over_ranks now
     rank, world = dist.get_rank(), dist.get_world_size()
-    return control.over_ranks(values, [control.MAX] * len(values), rank, world)
+    return control.over_ranks(
+        values, [control.MAX] * len(values), rank, world, datetime.timedelta(seconds=120)
+    )
 
 
 def _schedule_share(share: float, seconds: float, max_over_ranks) -> float:

@@ -12,6 +12,7 @@ The values are integers, so the order in which they are combined changes nothing
 rank gets the same result, as from ``all_reduce``.
 """
 
+import datetime
 from collections.abc import Sequence
 from typing import Any
 
@@ -28,37 +29,51 @@ def rounds(world: int) -> int:
 
 
 def over_ranks(
-    values: list[int], ops: Sequence[str], rank: int, world: int, group: Any = None
+    values: list[int],
+    ops: Sequence[str],
+    rank: int,
+    world: int,
+    timeout: datetime.timedelta,
+    group: Any = None,
 ) -> list[int]:
     """``values`` combined element-wise over the ranks of ``group`` (all ranks, in the same
     order as the default group's), by ``ops[i]`` (``MAX`` or ``SUM``) for element i;
-    every rank calls it with as many values."""
+    every rank calls it with as many values. A peer that does not answer within
+    ``timeout`` raises, as a collective does (a point-to-point receive would otherwise wait
+    for the timeout the group was made with, not the one it has now)."""
     if world == 1:
         return list(values)
     mine = torch.tensor(values, dtype=torch.int64)
     theirs = torch.empty_like(mine)
     maximum = torch.tensor([op == MAX for op in ops], dtype=torch.bool)
 
+    def exchange(peer: int, send: bool = True, receive: bool = True) -> None:
+        sent = dist.isend(mine, peer, group=group) if send else None
+        if receive:
+            _done(dist.irecv(theirs, peer, group=group), timeout)
+        if sent is not None:
+            _done(sent, timeout)
+
     def combine() -> torch.Tensor:
         return torch.where(maximum, torch.maximum(mine, theirs), mine + theirs)
 
     power = 1 << (world.bit_length() - 1)
     if rank >= power:  # hands its values to a rank below and waits for the result
-        dist.send(mine, rank - power, group=group)
-        dist.recv(mine, rank - power, group=group)
-        return [int(v) for v in mine.tolist()]
+        exchange(rank - power)
+        return [int(v) for v in theirs.tolist()]
     if rank + power < world:
-        dist.recv(theirs, rank + power, group=group)
+        exchange(rank + power, send=False)
         mine = combine()
     bit = 1
     while bit < power:
-        partner = rank ^ bit
-        sent = dist.isend(mine, partner, group=group)
-        dist.recv(theirs, partner, group=group)
-        assert sent is not None  # None only for a rank outside the group
-        sent.wait()
+        exchange(rank ^ bit)
         mine = combine()
         bit <<= 1
     if rank + power < world:
-        dist.send(mine, rank + power, group=group)
+        exchange(rank + power, receive=False)
     return [int(v) for v in mine.tolist()]
+
+
+def _done(work: Any, timeout: datetime.timedelta) -> None:
+    if work is not None:  # None only for a rank outside the group
+        work.wait(timeout)

@@ -213,6 +213,7 @@ class Strategy:
 class DDPStrategy(Strategy):
     name = "ddp"
     control: Any = None  # NCCL runs: a Gloo group for the loop's small control collectives
+    timeout = datetime.timedelta(0)  # the collectives' timeout now (setup, then started)
     background: Any = None  # background_group()
 
     def setup(self, environment: RunEnvironment | None = None) -> DistInfo:
@@ -220,7 +221,7 @@ class DDPStrategy(Strategy):
         if self.info.device.startswith("cuda"):
             torch.cuda.set_device(torch.device(self.info.device))
         # Until started(): the job's start, when ranks arrive late, has its own timeout.
-        timeout = datetime.timedelta(seconds=self.config.init_timeout)
+        self.timeout = timeout = datetime.timedelta(seconds=self.config.init_timeout)
         if backend == "nccl":  # its collectives recorded, for a hang's report (watchdog)
             launch.enable_flight_recorder()
         launch.lazy_gloo_connections()  # the training group on CPUs, the control group
@@ -253,7 +254,7 @@ class DDPStrategy(Strategy):
         return self.info
 
     def started(self) -> None:
-        timeout = datetime.timedelta(seconds=self.config.dist_timeout)
+        self.timeout = timeout = datetime.timedelta(seconds=self.config.dist_timeout)
         for group in self._groups():
             compat.set_group_timeout(timeout, group)
         self.store.set_timeout(timeout)
@@ -317,7 +318,9 @@ class DDPStrategy(Strategy):
 
     def over_ranks(self, values: list[int], ops: Sequence[str]) -> list[int]:
         info = self.info
-        return control.over_ranks(values, ops, info.rank, info.world_size, self.control)
+        return control.over_ranks(
+            values, ops, info.rank, info.world_size, self.timeout, self.control
+        )
 
     def broadcast_object(self, obj: Any) -> Any:
         box = [obj]
