@@ -328,15 +328,26 @@ def test_a_lost_node_is_named_and_the_run_resumes_bitwise(two_nodes, tiny_refere
     resumed_equals_reference(run, tiny_reference)
 
 
+def namespace_pids(name: str) -> list[int]:
+    """The processes in network namespace ``name`` (a node of the test cluster)."""
+    pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True,
+                          check=True).stdout.split()  # fmt: skip
+    return [int(pid) for pid in pids]
+
+
+def command_of(pid: int) -> str:
+    with contextlib.suppress(OSError):
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    return ""
+
+
 def kill_node2() -> None:
     """Every process in node2's namespace but the cluster's own daemons (later tests use
     them): as a node that fails."""
-    pids = subprocess.run(["ip", "netns", "pids", "dmln2"], capture_output=True, text=True,
-                          check=True).stdout.split()  # fmt: skip
-    for pid in pids:
+    for pid in namespace_pids("dmln2"):
         with contextlib.suppress(OSError):
             if Path(f"/proc/{pid}/comm").read_text().strip() not in ("slurmd", "slurmstepd"):
-                os.kill(int(pid), signal.SIGKILL)
+                os.kill(pid, signal.SIGKILL)
 
 
 def test_a_lost_node_of_four_ranks_is_named_among_eight(two_nodes, tmp_path):
@@ -357,17 +368,27 @@ def test_a_lost_node_of_four_ranks_is_named_among_eight(two_nodes, tmp_path):
     assert line == ", ".join(f"rank {r} on node2 (not answering)" for r in range(4, 8)), line
 
 
+@pytest.mark.parametrize("fault", ["link down", "node2 killed", "rank 1 stopped"])
 def test_a_job_that_lost_a_node_ends_requeues_and_resumes_bitwise(two_nodes, tiny_reference,
-                                                                  tmp_path):  # fmt: skip
-    """slurm/run.sh with node2's link down mid-epoch: rank 0 exits with status 5 and writes
-    it to --status-file; the script gives the step DMLTRAIN_LOST_GRACE (10 s), then ends it
-    (node2 cannot report its rank's exit, and srun's own --wait is 330 s) and requeues the
-    job within a minute of the survivors' line; once the link is back, the job resumes
-    from the newest step checkpoint and ends bitwise equal to a run never interrupted."""
+                                                                  tmp_path, fault):  # fmt: skip
+    """slurm/run.sh with node2's link down, every process on node2 killed, or node2's rank
+    stopped (SIGSTOP) mid-epoch: rank 0 exits with status 5 and writes it to --status-file;
+    the script gives the step DMLTRAIN_LOST_GRACE (10 s), then ends it (node2 cannot report
+    its rank's exit, or its rank never ends, and srun's own --wait is 330 s) and requeues
+    the job within a minute of the survivors' line; the job resumes from the newest step
+    checkpoint and ends bitwise equal to a run never interrupted."""
     job = sbatch(tmp_path, *LOST, options=NODES, env=two_nodes)
     out = tmp_path / "job.out"
     wait_for(lambda: out.exists() and "epoch 1/3 step 6/" in out.read_text(), 120, "training")
-    subprocess.run(["ip", "link", "set", "vh2", "down"], check=True)
+    stopped = []
+    if fault == "link down":
+        subprocess.run(["ip", "link", "set", "vh2", "down"], check=True)
+    elif fault == "node2 killed":
+        kill_node2()
+    else:
+        stopped = [p for p in namespace_pids("dmln2") if " --status-file " in command_of(p)]
+        assert len(stopped) == 1, stopped
+        os.kill(stopped[0], signal.SIGSTOP)
     # On a loaded machine, Slurm may find node2 failed (SlurmdTimeout) before the step
     # ends: then Slurm requeues the job itself. Either way the job is requeued and resumes.
     requeued = ("requeueing job", "DUE TO NODE FAILURE")
@@ -376,6 +397,9 @@ def test_a_job_that_lost_a_node_ends_requeues_and_resumes_bitwise(two_nodes, tin
         wait_for(lambda: any(r in out.read_text() for r in requeued), 60, "requeue")
     finally:
         subprocess.run(["ip", "link", "set", "vh2", "up"], check=True)
+        for pid in stopped:  # the step's end kills it; if the test failed before, here
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
     # Requeued jobs wait a while before they start; an admin starting this one at once
     # waits until node2, back, has finished with its first run (else Slurm kills the new
     # step: "Job credential revoked").
@@ -388,10 +412,12 @@ def test_a_job_that_lost_a_node_ends_requeues_and_resumes_bitwise(two_nodes, tin
     release_requeues_until_done(job, tmp_path, timeout=420, env=two_nodes, release=not node_failed)
     log = out.read_text()
     assert "stopping: lost contact with rank 1 on node2 (not answering)" in log
-    assert (
-        "a rank or node was lost and the others have stopped; ending the step" in log
-        and "a rank or node was lost, the checkpoints are intact, requeueing job" in log
-    ) or "DUE TO NODE FAILURE" in log
+    ending = "a rank or node was lost and the others have stopped; ending the step" in log
+    requeueing = "a rank or node was lost, the checkpoints are intact, requeueing job" in log
+    if fault == "link down":
+        assert (ending and requeueing) or "DUE TO NODE FAILURE" in log
+    else:  # node2 answers Slurm: the script requeues; a stopped rank's task never ends
+        assert requeueing and (ending or fault == "node2 killed"), log[-3000:]
     assert "dmltrain: resuming from" in log and "restart 1" in log
     assert_same_run(tiny_reference, tmp_path / "runs" / f"tiny-{job}")
 
