@@ -27,6 +27,7 @@ machine's time for one round at 2 processes on top of each hop.
 
 import argparse
 import datetime
+import functools
 import json
 import statistics
 import time
@@ -82,30 +83,30 @@ def _schedule_share(share: float, seconds: float, max_over_ranks) -> float:
     return spent / (time.perf_counter() - start)
 
 
+def _median_seconds(call, reps: int) -> float:
+    """The median time of ``call`` over ``reps`` calls, after 20 of warm-up, the ranks
+    leaving a barrier together before each."""
+    times = []
+    for i in range(reps + 20):
+        dist.barrier()
+        start = time.perf_counter()
+        call()
+        if i >= 20:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def _worker(rank: int, world: int, port: int, reps: int, seconds: float, out: dict) -> None:
     torch.set_num_threads(1)
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
         timeout=datetime.timedelta(seconds=120),
     )  # fmt: skip
-    medians = {}
-    for name, (tensor, op) in _collectives(world).items():
-        times = []
-        for i in range(reps + 20):  # 20 of warm-up
-            dist.barrier()
-            start = time.perf_counter()
-            dist.all_reduce(tensor, op=op)
-            if i >= 20:
-                times.append(time.perf_counter() - start)
-        medians[name] = statistics.median(times)
-    times = []
-    for i in range(reps + 20):
-        dist.barrier()
-        start = time.perf_counter()
-        _pairwise_max([0] * 5)
-        if i >= 20:
-            times.append(time.perf_counter() - start)
-    medians["agreement pairwise"] = statistics.median(times)
+    medians = {
+        name: _median_seconds(functools.partial(dist.all_reduce, tensor, op=op), reps)
+        for name, (tensor, op) in _collectives(world).items()
+    }
+    medians["agreement pairwise"] = _median_seconds(lambda: _pairwise_max([0] * 5), reps)
     # share 1: never spaced out
     medians["share fixed"] = _schedule_share(1.0, seconds, _ring_max)
     medians["share scaled"] = _schedule_share(0.01, seconds, _ring_max)

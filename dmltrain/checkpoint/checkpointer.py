@@ -332,7 +332,9 @@ class Checkpointer:
             raise UserError(failed)
         if choice is not None:
             path = Path(choice)
-            state = checked if checked is not None else load_file(path, False, index)
+            state = (
+                checked if checked is not None else load_file(path, check_shards=False, index=index)
+            )
             self._check_resumable(state, path)
             self._load(state, path, EVERYTHING)
             s = self.saved.state

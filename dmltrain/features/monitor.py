@@ -9,9 +9,8 @@ Nothing is synchronised per step.
 At each log interval, one small collective of a fixed size (on the control group:
 ``dmltrain.runtime.control``) brings the largest share of time spent waiting for data, the
 slowest rank and the sum of every rank's time: the same few numbers whatever the number of
-ranks. Every rank's numbers are
-gathered only when the slowest is slower than the mean of the others by
-``--straggler-factor``. Rank 0 then
+ranks. Every rank's numbers are gathered only when the slowest is slower than the mean of
+the others by ``--straggler-factor``. Rank 0 then
 
 - adds ``steps_per_s``, ``data_wait`` (the share of the interval spent waiting for
   batches, the slowest rank's: the others wait for it) and, where the experiment states
