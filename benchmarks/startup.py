@@ -3,6 +3,7 @@ optimizer step, against ``import torch`` and the plain loop, with Lightning and 
 
     python benchmarks/startup.py            # 5 rounds
     python benchmarks/startup.py --quick    # 1 round, first step of plain and dmltrain only
+    python benchmarks/startup.py --smoke    # that, without the peers' imports
 
 Every command runs in a fresh process, the commands interleaved round by round; reported
 is the median wall time. On a shared machine ``import torch`` alone swings by a second
@@ -74,12 +75,15 @@ def first_step(name: str, run_dir: str) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--smoke", action="store_true", help="the smallest size (a smoke test)")
     args = parser.parse_args(argv)
+    args.quick = args.quick or args.smoke
     rounds = 1 if args.quick else 5
+    peers = {"import lightning", "import accelerate"}
     commands = {
         k: v
         for k, v in COMMANDS.items()
-        if not k.startswith("import ") or available(k.split()[1]) or k.endswith("torch")
+        if k not in peers or (available(k.split()[1]) and not args.smoke)
     }
     times = interleaved(list(commands), rounds, lambda k: command_times(commands[k]))
     import tempfile

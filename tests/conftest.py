@@ -1,5 +1,6 @@
-"""Fixtures: a local HTTP server, the Slurm cluster, the cluster tests' reference run; the
-order the modules run in. The helpers the tests import are in helpers.py."""
+"""Fixtures: a local HTTP server, the Slurm cluster, a small disk, the cluster tests'
+reference run; the order the modules run in. The helpers the tests import are in
+helpers.py."""
 
 import functools
 import http.server
@@ -21,24 +22,28 @@ from helpers import (
 # none is left running alone at the end. By their durations on a 2-core machine, longest
 # first (measured side by side, 4 workers); every other module follows in its usual order.
 LONGEST_FIRST = (
-    "test_precision",
-    "test_two_nodes",
     "test_preemption",
+    "test_two_nodes",
     "test_mnist",
     "test_benchmarks",
-    "test_checkpoint",
-    "test_mnist_gan",
-    "test_sharding",
-    "test_create_env",
     "test_slurm",
-    "test_budget",
-    "test_sweep_submit",
-    "test_bad_input",
+    "test_precision",
+    "test_mnist_gan",
+    "test_checkpoint",
     "test_distributed",
+    "test_mlflow",
+    "test_create_env",
+    "test_sweep_submit",
+    "test_streams",
+    "test_bad_input",
+    "test_sharding",
+    "test_budget",
+    "test_tracking",
     "test_checkpointer",
-    "test_ema",
     "test_cli",
     "test_evaluation",
+    "test_readme",
+    "test_ema",
 )
 
 
@@ -137,7 +142,7 @@ QUICK = (
 
 def pytest_collection_modifyitems(items):
     for item in items:
-        name = item.nodeid.split("/", 1)[-1]
+        name = f"{item.path.name}::{item.nodeid.split('::', 1)[1]}"
         if any(name.startswith(q if "::" in q else f"{q}::") for q in QUICK):
             item.add_marker(pytest.mark.quick)
 
@@ -188,6 +193,22 @@ def slurm():
         if REQUIRE_ALL:
             pytest.fail(message)
         pytest.skip(message)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 40 MB tmpfs (a scratch file system to fill up); needs root, as in CI."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(disk)],
+                             capture_output=True, text=True)  # fmt: skip
+    if mounted.returncode != 0:
+        message = f"cannot mount a tmpfs here: {mounted.stderr.strip()}"
+        if REQUIRE_ALL:
+            pytest.fail(message)
+        pytest.skip(message)
+    yield disk
+    subprocess.run(["umount", "-l", str(disk)], check=True)
 
 
 @pytest.fixture(scope="session")

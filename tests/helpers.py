@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dmltrain.checkpoint.storage import load_file
 from dmltrain.records.training_log import read_training_log
 from dmltrain.runtime.launch import free_port
 
@@ -268,3 +270,56 @@ class Counted:
     def __getattr__(self, name):
         self.requests += name in self.REQUESTS
         return getattr(self.store, name)
+
+
+def tensorboard_scalars(run) -> dict[str, list[tuple[int, float]]]:
+    """Every scalar of RUN_DIR/tensorboard as TensorBoard reads it (purged steps dropped)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)]
+            for tag in events.Tags()["scalars"]}  # fmt: skip
+
+
+def assert_same_mnist(run_a, run_b):
+    """The same training log numbers and, bitwise, the same final weights."""
+    assert log_numbers(run_a) == log_numbers(run_b)
+    a = load_file(run_a / "checkpoints" / "latest.pt")["model"]
+    b = load_file(run_b / "checkpoints" / "latest.pt")["model"]
+    assert list(a) == list(b)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def pbs_env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    require("mpiexec")
+    nodefile = tmp_path / "nodefile"
+    nodefile.write_text(f"{socket.gethostname()}\n" * 2)  # select=1:mpiprocs=2
+    path = f"{TESTS / 'cluster'}{os.pathsep}{os.environ['PATH']}"  # the fake qsub
+    return cli_env(
+        PATH=path,
+        FAKE_PBS_NODEFILE=str(nodefile),
+        FAKE_PBS_COUNTER=str(tmp_path / "counter"),
+        OMPI_ALLOW_RUN_AS_ROOT="1",
+        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+        **{**own_port(), **extra},
+    )
+
+
+ZARR_STEPS, ZARR_SHAPE = 43, (2, 3, 4)  # make_store's (time, (level, lat, lon))
+
+
+def make_store(path: Path) -> Path:
+    """A zarr store of two variables, t2m and u10, whose values say their time step
+    (1000 t + position, u10 0.5 above t2m)."""
+    import numpy as np
+    import zarr
+
+    group = zarr.open_group(path, mode="w")
+    cells = np.arange(np.prod(ZARR_SHAPE)).reshape(ZARR_SHAPE) / 100
+    for offset, name in ((0, "t2m"), (0.5, "u10")):
+        shape, chunks = (ZARR_STEPS, *ZARR_SHAPE), (1, *ZARR_SHAPE)
+        array = group.create_array(name, shape=shape, chunks=chunks, dtype="f4")
+        array[:] = np.stack([1000 * t + cells + offset for t in range(ZARR_STEPS)])
+    return path

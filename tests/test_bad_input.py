@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import AT_ONCE, TINY, assert_same_run, cli_env, run_cli, sigint_at_default
-from test_checkpoint import small_disk  # noqa: F401 (a fixture)
 
 from dmltrain.records import rundir
 from dmltrain.runtime.launch import hostname
@@ -115,7 +114,7 @@ def test_default_run_directories_never_collide(tmp_path, monkeypatch):
     assert rundir.default_path("tiny", "123") == "runs/tiny-123"  # a job's, on every requeue
 
 
-def test_a_full_disk_at_an_epochs_end_is_one_line_and_the_log_is_written_later(small_disk):  # noqa: F811
+def test_a_full_disk_at_an_epochs_end_is_one_line_and_the_log_is_written_later(small_disk):
     """The disk is full from step 3 to step 15: the epoch-1 row of training_log.csv cannot
     be written (one warning), epoch 2 writes both rows; no partial file is left, and the run
     ends as one that never lacked space."""
@@ -134,7 +133,7 @@ def test_a_full_disk_at_an_epochs_end_is_one_line_and_the_log_is_written_later(s
     assert_same_run(reference, run)
 
 
-def test_a_disk_full_to_the_end_leaves_the_records_whole(small_disk):  # noqa: F811
+def test_a_disk_full_to_the_end_leaves_the_records_whole(small_disk):
     """The second job of a run fills the disk and it stays full: its last checkpoint cannot
     be written (exit 2, one line); outcome.json and training_log.csv hold the first job's
     records, whole, and no partial file is left."""

@@ -7,8 +7,7 @@ import json
 
 import pytest
 import torch
-from helpers import AT_ONCE, RANDOM, TINY, assert_same_run, run_cli
-from test_tracking import tensorboard_scalars
+from helpers import AT_ONCE, RANDOM, TINY, assert_same_run, run_cli, tensorboard_scalars
 
 from dmltrain.callback import Callback, Events, states
 from dmltrain.checkpoint.checkpointer import _check_loadable

@@ -9,9 +9,17 @@ import sys
 
 import pytest
 import torch
-from helpers import AT_ONCE, cli_env, log_numbers, own_port, require, run_cli, signal_at_line
+from helpers import (
+    AT_ONCE,
+    assert_same_mnist,
+    cli_env,
+    log_numbers,
+    own_port,
+    require,
+    run_cli,
+    signal_at_line,
+)
 
-from dmltrain.checkpoint.storage import load_file
 from dmltrain.records.training_log import read_training_log
 from dmltrain.runtime.launch import free_port
 from dmltrain_experiments import mnist_data
@@ -71,16 +79,6 @@ def test_ten_epochs_reach_the_accuracy_target(tmp_path):
 # sample, one epoch, 2 processes.
 MNIST = ["mnist", "--epochs", "1", "--no-download", "--progress", "log", "--log-every", "4"]
 NPROCS = [*MNIST, "--nprocs", "2"]
-
-
-def assert_same_mnist(run_a, run_b):
-    """The same training log numbers and, bitwise, the same final weights."""
-    assert log_numbers(run_a) == log_numbers(run_b)
-    a = load_file(run_a / "checkpoints" / "latest.pt")["model"]
-    b = load_file(run_b / "checkpoints" / "latest.pt")["model"]
-    assert list(a) == list(b)
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,17 @@ import subprocess
 
 import pytest
 import torch
-from helpers import AT_ONCE, TINY, cli_env, log_numbers, own_port, require, run_cli, signal_at_line
-from test_mnist import assert_same_mnist
+from helpers import (
+    AT_ONCE,
+    TINY,
+    assert_same_mnist,
+    cli_env,
+    log_numbers,
+    own_port,
+    require,
+    run_cli,
+    signal_at_line,
+)
 
 from dmltrain.checkpoint.storage import load_file
 from dmltrain.records.training_log import read_training_log

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, cli_env, readme_experiment
+from helpers import ROOT, cli_env, make_store, readme_experiment, tensorboard_scalars
 
 from dmltrain import TrainConfig
 from dmltrain.records.training_log import read_training_log
@@ -83,8 +83,6 @@ def block(page: str, heading: str, lang: str = "python") -> str:
 
 
 def test_the_callback_example_logs_and_checkpoints_its_state(tmp_path):
-    from test_tracking import tensorboard_scalars
-
     from dmltrain.checkpoint.storage import load_file
 
     readme_experiment(tmp_path)
@@ -170,8 +168,6 @@ def test_the_notebook_example_trains_on_two_processes(tmp_path):
 
 def test_the_zarr_example_trains_on_two_processes_with_two_workers_each(tmp_path):
     pytest.importorskip("zarr")
-    from test_zarr_windows import make_store
-
     (tmp_path / "forecast.py").write_text(block("streaming.md", "## A climate archive in zarr"))
     store = make_store(tmp_path / "era.zarr")
     run = tmp_path / "run"

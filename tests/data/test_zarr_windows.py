@@ -12,23 +12,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import AT_ONCE, assert_same_run, run_cli
+from helpers import AT_ONCE, ZARR_SHAPE, ZARR_STEPS, assert_same_run, make_store, run_cli
 
 from dmltrain.data.zarr_windows import ZarrWindows
 from dmltrain.errors import UserError
 
 zarr = pytest.importorskip("zarr")
 
-STEPS, SHAPE = 43, (2, 3, 4)  # (time, level, lat, lon)
-
-
-def make_store(path: Path) -> Path:
-    group = zarr.open_group(path, mode="w")
-    cells = np.arange(np.prod(SHAPE)).reshape(SHAPE) / 100
-    for offset, name in ((0, "t2m"), (0.5, "u10")):
-        array = group.create_array(name, shape=(STEPS, *SHAPE), chunks=(1, *SHAPE), dtype="f4")
-        array[:] = np.stack([1000 * t + cells + offset for t in range(STEPS)])
-    return path
+STEPS, SHAPE = ZARR_STEPS, ZARR_SHAPE
 
 
 def step_of(inputs: torch.Tensor) -> int:

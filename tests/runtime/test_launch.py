@@ -1,5 +1,5 @@
 """Launcher detection from patched environments (PBS/PALS and multi-node Slurm cannot run
-here; the launchers that can run are exercised for real in tests/test_distributed.py)."""
+here; the launchers that can run are exercised for real in tests/runtime/test_distributed.py)."""
 
 import pytest
 

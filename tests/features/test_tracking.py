@@ -6,7 +6,7 @@ import os
 import time
 
 import pytest
-from helpers import AT_ONCE, cli_env, run_cli
+from helpers import AT_ONCE, cli_env, run_cli, tensorboard_scalars
 
 from dmltrain.checkpoint.storage import load_file
 from wandb_records import read_run, runs_in
@@ -130,16 +130,6 @@ def test_without_wandb_installed_training_goes_on(tmp_path):
     done = train(tmp_path, run, WANDB_MODE="offline", PYTHONPATH=path)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "wandb is not installed (pip install wandb): tracking is off" in done.stdout
-
-
-def tensorboard_scalars(run) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar of RUN_DIR/tensorboard as TensorBoard reads it (purged steps dropped)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(run / "tensorboard"))
-    events.Reload()
-    return {tag: [(e.step, e.value) for e in events.Scalars(tag)]
-            for tag in events.Tags()["scalars"]}  # fmt: skip
 
 
 def test_tensorboard_continues_its_curves_across_a_requeue(tmp_path):

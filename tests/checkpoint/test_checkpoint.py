@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from helpers import AT_ONCE, REQUIRE_ALL, ROOT, TESTS, TINY, assert_same_run, run_cli
+from helpers import AT_ONCE, ROOT, TESTS, TINY, assert_same_run, run_cli
 
 from dmltrain import TrainConfig, UserError
 from dmltrain.checkpoint.storage import (
@@ -423,22 +423,6 @@ def test_a_torn_sharded_checkpoint_falls_back_to_the_previous(fsdp_run, tmp_path
     assert done.returncode == 0, done.stderr[-3000:]
     assert f"checkpoint {newest} is incomplete or corrupt (shard __1_0.distcp)" in done.stderr
     assert "falling back to the previous checkpoint" in done.stderr
-
-
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 40 MB tmpfs (a scratch file system to fill up); needs root, as in CI."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(disk)],
-                             capture_output=True, text=True)  # fmt: skip
-    if mounted.returncode != 0:
-        message = f"cannot mount a tmpfs here: {mounted.stderr.strip()}"
-        if REQUIRE_ALL:
-            pytest.fail(message)
-        pytest.skip(message)
-    yield disk
-    subprocess.run(["umount", "-l", str(disk)], check=True)
 
 
 FULL_DISK = [*TINY, "--epochs", "2", "--features", "2048", "--checkpoint-every-steps", "2"]

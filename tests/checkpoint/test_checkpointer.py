@@ -14,7 +14,16 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from helpers import AT_ONCE, assert_same_run, cli_env, log_numbers, own_port, require, run_cli
+from helpers import (
+    AT_ONCE,
+    TESTS,
+    assert_same_run,
+    cli_env,
+    log_numbers,
+    own_port,
+    require,
+    run_cli,
+)
 
 from dmltrain.checkpoint.storage import list_checkpoints, load_file
 
@@ -168,7 +177,7 @@ def test_fsdp_and_horovod_resume_on_one_process(tmp_path, reference):
         assert counts == Counter(range(96))
 
 
-FIXTURE = Path(__file__).parent / "fixtures" / "main-cd2ef32"
+FIXTURE = TESTS / "fixtures" / "main-cd2ef32"
 
 
 def test_a_checkpoint_of_an_earlier_version_resumes_bitwise(tmp_path):

@@ -4,33 +4,16 @@ PBS_JOBID, PBS_O_WORKDIR and a PBS_NODEFILE naming this machine once per rank) a
 OpenMPI's mpiexec stands in for Cray MPICH's. What runs inside is real: mpiexec or torchrun
 starting 2 training processes, checkpoints, resubmission after --epochs-per-job."""
 
-import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, TESTS, TINY_RUN, assert_same_run, cli_env, own_port, require
+from helpers import ROOT, TINY_RUN, assert_same_run, pbs_env
 
 PBS = ROOT / "slurm" / "pbs"
 TINY = TINY_RUN
-
-
-def pbs_env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    require("mpiexec")
-    nodefile = tmp_path / "nodefile"
-    nodefile.write_text(f"{socket.gethostname()}\n" * 2)  # select=1:mpiprocs=2
-    path = f"{TESTS / 'cluster'}{os.pathsep}{os.environ['PATH']}"  # the fake qsub
-    return cli_env(
-        PATH=path,
-        FAKE_PBS_NODEFILE=str(nodefile),
-        FAKE_PBS_COUNTER=str(tmp_path / "counter"),
-        OMPI_ALLOW_RUN_AS_ROOT="1",
-        OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-        **{**own_port(), **extra},
-    )
 
 
 def job_logs(tmp_path: Path) -> list[tuple[str, int]]:

@@ -17,13 +17,13 @@ from helpers import (
     assert_same_run,
     cli_env,
     job_field,
+    pbs_env,
     readme_experiment,
     release_requeues_until_done,
     require,
     run_cli,
     wait_for,
 )
-from test_pbs import pbs_env
 
 SPACE = "lr: [0.001, 0.01]\nbatch-size: [8, 16]\n"
 TASK = ["--tasks-per-node", "1", "--cpus-per-task", "1", "--time", "00:10:00"]

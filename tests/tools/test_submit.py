@@ -1,5 +1,6 @@
 """`dmltrain submit --dry-run`: the scripts it writes, and its errors. (Real submissions:
-tests/test_slurm.py on the local Slurm cluster, tests/test_pbs.py with a stand-in qsub.)"""
+tests/cluster/test_slurm.py on the local Slurm cluster, tests/cluster/test_pbs.py with a
+stand-in qsub.)"""
 
 import subprocess
 import sys
