@@ -22,6 +22,10 @@ if [ "${1:-}" = "--quick" ]; then
 fi
 
 python3 -m pip install --quiet --disable-pip-version-check -e ".[dev]" || exit 1
+# The workers run side by side, each starting processes sized for the whole machine: torch's
+# OpenMP threads that wait by spinning would burn the cores the others need. Waiting asleep
+# changes how an idle thread waits, not a result (CONTRIBUTING.md).
+export OMP_WAIT_POLICY=PASSIVE
 if [ "$quick" = 1 ]; then
     python3 -m pytest -p no:benchmark -m quick -n 2 --dist loadfile --durations=15 "$@"
     status=$?
