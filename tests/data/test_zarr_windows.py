@@ -9,7 +9,6 @@ import textwrap
 from collections import Counter
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from helpers import AT_ONCE, ZARR_SHAPE, ZARR_STEPS, assert_same_run, make_store, run_cli
@@ -19,8 +18,6 @@ from dmltrain.errors import UserError
 
 zarr = pytest.importorskip("zarr")
 
-STEPS, SHAPE = ZARR_STEPS, ZARR_SHAPE
-
 
 def step_of(inputs: torch.Tensor) -> int:
     return int(inputs[0, 0].flatten()[0] // 1000)
@@ -29,9 +26,9 @@ def step_of(inputs: torch.Tensor) -> int:
 def test_a_window_is_k_steps_of_every_variable_and_the_target_lead_steps_on(tmp_path):
     store = make_store(tmp_path / "era.zarr")
     windows = ZarrWindows(str(store), ["t2m", "u10"], window=3, lead=2)
-    assert len(windows) == STEPS - 3 - 2 + 1
+    assert len(windows) == ZARR_STEPS - 3 - 2 + 1
     inputs, target = next(iter(windows))
-    assert inputs.shape == (3, 2, *SHAPE) and target.shape == (2, *SHAPE)
+    assert inputs.shape == (3, 2, *ZARR_SHAPE) and target.shape == (2, *ZARR_SHAPE)
     assert [int(inputs[k, 0, 0, 0, 0]) for k in range(3)] == [0, 1000, 2000]
     assert float(inputs[0, 1, 0, 0, 0]) == 0.5  # u10 stacked after t2m
     assert int(target[0, 0, 0, 0]) == 4000  # 2 steps after the window's last
