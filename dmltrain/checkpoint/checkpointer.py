@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from dmltrain.checkpoint import schedules
+from dmltrain.checkpoint.handout import hand_out
 from dmltrain.checkpoint.model_state import (
     check_model_fits,
     load_optimizers_state_by_name,
@@ -311,42 +312,26 @@ class Checkpointer:
         (``--load-weights``, with what the --load-* flags ask for)."""
         cfg = self.config
         resume, load_weights = cfg.resume, cfg.load_weights
-        choice: str | None = None
-        failed: str | None = None
-        checked: dict[str, Any] | None = None  # rank 0's load of the checkpoint it checked
-        if self.dist.is_main:  # rank 0 checks the checkpoint; the others read its verdict
-            if resume == "auto":
-                found = load_latest_valid(self.files.directory, self.warn)
-                if found is not None:
-                    choice, checked = str(found[0]), found[1]
-            elif resume != "never":
-                choice = resume
-                try:
-                    checked = load_file(Path(choice))
-                except UserError as exc:
-                    failed = str(exc)
-        # a sharded checkpoint's index too: read once in all, not once a rank
-        index = checked.get("index") if checked is not None else None
-        choice, failed, index = self.strategy.broadcast_object((choice, failed, index))
-        if failed is not None:
-            raise UserError(failed)
-        if choice is not None:
-            path = Path(choice)
-            state = (
-                checked if checked is not None else load_file(path, check_shards=False, index=index)
-            )
+        if resume == "never":
+            found = None
+        elif resume == "auto":
+            found = self._read(lambda: load_latest_valid(self.files.directory, self.warn))
+        else:
+            found = self._read(lambda: (Path(resume), load_file(Path(resume))))
+        if found is not None:
+            path, state = found
             self._check_resumable(state, path)
             self._load(state, path, EVERYTHING)
             s = self.saved.state
             self.say(
-                f"dmltrain: resuming from {choice} (epoch {s.epoch + 1}, "
+                f"dmltrain: resuming from {path} (epoch {s.epoch + 1}, "
                 f"{s.step_in_epoch} steps into it, global step {s.global_step})"
             )
             self._resized(state)
             self.loaded(path)
         elif load_weights:
             path = Path(load_weights)
-            state = load_file(path)
+            state = self._weights(path)
             if cfg.ema:  # the averaged weights, as the model's
                 if "ema" not in state and not state.get("ema_sharded"):
                     raise UserError(
@@ -368,22 +353,42 @@ class Checkpointer:
         """Every rank reloads the newest valid checkpoint of this run and will skip the
         (1-based) ``epoch``'s ``step``, the one that was not finite (``--on-nan rollback``)."""
         self.wait()
-        choice = self.strategy.broadcast_object(self._latest() if self.dist.is_main else None)
-        if choice is None:
+        found = self._read(lambda: load_latest_valid(self.files.directory, self.warn))
+        if found is None:
             raise UserError(
                 f"--on-nan rollback: no checkpoint in {self.files.directory} to roll back to"
             )
-        path = Path(choice)  # checked by rank 0 (_latest)
-        self._load(load_file(path, check_shards=False), path, EVERYTHING)
+        path, state = found
+        self._load(state, path, EVERYTHING)
         self.saved.state.skip_steps.add((epoch, step))
         self.say(f"dmltrain: rolled back to {path}; epoch {epoch} step {step} will be skipped")
         self.loaded(path)
 
-    def _latest(self) -> str | None:
-        """The newest checkpoint of this run that loads (rank 0 looks; corrupt ones are
-        reported and skipped)."""
-        found = load_latest_valid(self.files.directory, self.warn)
-        return None if found is None else str(found[0])
+    def _weights(self, path: Path) -> dict[str, Any]:
+        found = self._read(lambda: (path, load_file(path)))
+        assert found is not None
+        return found[1]
+
+    def _read(
+        self, read: Callable[[], tuple[Path, dict[str, Any]] | None]
+    ) -> tuple[Path, dict[str, Any]] | None:
+        """What rank 0's ``read`` found (a checkpoint's path and its state, or None), on
+        every rank: the file is read and checked once in all, not once a rank, and a
+        UserError there is every rank's."""
+        found, failed = None, None
+        if self.dist.is_main:
+            try:
+                found = read()
+            except UserError as exc:
+                failed = str(exc)
+        choice, failed = self.strategy.broadcast_object(
+            (None if found is None else str(found[0]), failed)
+        )
+        if failed is not None:
+            raise UserError(failed)
+        if choice is None:
+            return None
+        return Path(choice), hand_out(self.strategy, None if found is None else found[1])
 
     def _check_resumable(self, state: dict[str, Any], path: Path) -> None:
         """The seed fixes the data order, and the global batch (processes x batch size x

@@ -122,16 +122,14 @@ def is_sharded(path: Path) -> bool:
     return path.is_dir()
 
 
-def load_file(path: Path, check_shards: bool = True, index: Any = None) -> dict[str, Any]:
-    """Load a checkpoint (weights only, memory-mapped: the ranks of a node share its
-    pages, and a tensor is read only when it is copied into the model); a clear UserError
-    if it is unreadable.
+def load_file(path: Path) -> dict[str, Any]:
+    """Load a checkpoint (weights only, memory-mapped: a tensor is read only when it is
+    used; a resume's rank 0 hands it to the others, ``handout``); a clear UserError if it
+    is unreadable.
 
     For a sharded checkpoint this is ``trainer.pt`` with ``model`` and ``optimizer`` set
     to None (``load_sharded`` reads them), the model's ``shapes`` and the checkpoint's
-    ``index`` (read here unless given: one rank reads it and hands it to the others), once
-    the shards are checked to be complete (``check_shards``: one rank's stat() of every
-    shard suffices).
+    ``index``, once the shards are checked to be complete (a stat() of every shard).
     """
     if not path.exists():
         raise UserError(f"checkpoint {path} does not exist")
@@ -141,8 +139,8 @@ def load_file(path: Path, check_shards: bool = True, index: Any = None) -> dict[
             "(RUN_DIR/checkpoints/latest.pt), or --run-dir RUN_DIR to go on with a run"
         )
     if is_sharded(path):
-        index = read_index(path) if index is None else index
-        shapes = sharded_shapes(path, index, check_shards=check_shards)  # raises if torn
+        index = read_index(path)
+        shapes = sharded_shapes(path, index)  # raises if torn
         state = _load(path / SHARDED_META, path)
         state.update(model=None, optimizer=None, sharded=True, shapes=shapes, index=index)
     else:
@@ -185,19 +183,17 @@ def read_index(path: Path) -> Any:
         raise UserError(f"checkpoint {path} is incomplete or corrupt ({why})") from None
 
 
-def sharded_shapes(
-    path: Path, metadata: Any, prefix: str = "model.", check_shards: bool = True
-) -> dict[str, tuple[int, ...]]:
+def sharded_shapes(path: Path, metadata: Any, prefix: str = "model.") -> dict[str, tuple[int, ...]]:
     """Model parameter shapes of a sharded checkpoint (``metadata``: its index), after
-    checking (``check_shards``) all its shards exist and are long enough (a cheap test for
-    a torn or truncated save: a stat() a shard)."""
+    checking all its shards exist and are long enough (a cheap test for a torn or
+    truncated save: a stat() a shard)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     needed: dict[str, int] = {}
     for info in metadata.storage_data.values():
         end = info.offset + info.length
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), end)
-    for name, size in needed.items() if check_shards else ():
+    for name, size in needed.items():
         shard = path / name
         if not shard.is_file() or shard.stat().st_size < size:
             raise UserError(f"checkpoint {path} is incomplete or corrupt (shard {name})")

@@ -161,6 +161,11 @@ class Strategy:
     def broadcast_object(self, obj: Any) -> Any:
         return obj
 
+    def broadcast_bytes(self, buffer: Tensor) -> Callable[[], None]:
+        """Rank 0's ``buffer`` (a CPU uint8 tensor) into every rank's, in place, once the
+        function returned is called (the broadcast may run meanwhile)."""
+        return lambda: None
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         return [obj]
 
@@ -327,6 +332,18 @@ class DDPStrategy(Strategy):
         dist.broadcast_object_list(box, src=0)
         return box[0]
 
+    def broadcast_bytes(self, buffer: Tensor) -> Callable[[], None]:
+        nccl = self.backend() == "nccl"  # NCCL sends from and to the GPU
+        carrier = buffer.to(self.info.device) if nccl else buffer
+        work = dist.broadcast(carrier, src=0, async_op=True)
+
+        def wait() -> None:
+            work.wait()
+            if nccl:
+                buffer.copy_(carrier)
+
+        return wait
+
     def all_gather_object(self, obj: Any) -> list[Any]:
         gathered: list[Any] = [None] * self.info.world_size
         dist.all_gather_object(gathered, obj)
@@ -411,6 +428,7 @@ class FSDPStrategy(DDPStrategy):
 
 class HorovodStrategy(Strategy):
     name = "horovod"
+    sent = 0  # broadcast_bytes's calls: their names
 
     def setup(self, environment: RunEnvironment | None = None) -> DistInfo:
         try:
@@ -518,6 +536,12 @@ class HorovodStrategy(Strategy):
     # None would wait forever. Fixed names make them match.
     def broadcast_object(self, obj: Any) -> Any:
         return self.hvd.broadcast_object(obj, root_rank=0, name="dmltrain.broadcast_object")
+
+    def broadcast_bytes(self, buffer: Tensor) -> Callable[[], None]:
+        self.sent += 1  # Horovod matches by name: unique among those in flight
+        name = f"dmltrain.broadcast_bytes.{self.sent}"
+        handle = self.hvd.broadcast_async_(buffer, root_rank=0, name=name)
+        return lambda: self.hvd.synchronize(handle)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         return list(self.hvd.allgather_object(obj, name="dmltrain.all_gather_object"))

@@ -239,6 +239,29 @@ def test_sigusr1_then_resume_is_bit_exact(uninterrupted, tmp_path, nprocs, when)
     assert final["global_step"] == 3 * per_epoch  # no step taken twice or skipped
 
 
+def test_a_resume_reads_the_checkpoint_in_one_process(uninterrupted, tmp_path):
+    """Rank 0 reads and checks the checkpoint and hands its state to the other ranks
+    (dmltrain.checkpoint.handout): one process of the resumed run opens the file, and the
+    run ends bitwise equal to one never interrupted."""
+    run = tmp_path / "run"
+    args = [*TINY, "--nprocs", "2", "--run-dir", str(run)]
+    done = run_cli(*args, "--signal-rank", "1", "--signal-at-step", "3", *AT_ONCE, cwd=tmp_path)
+    assert done.returncode == 3, done.stderr[-3000:]
+    reads = tmp_path / "reads"
+    reads.mkdir()
+    path = os.pathsep.join(str(p) for p in (helpers.TESTS / "fixtures" / "reads",
+                                            helpers.TESTS, helpers.ROOT))  # fmt: skip
+    resumed = run_cli(*args, cwd=tmp_path, PYTHONPATH=path, READS_DIR=str(reads),
+                      READS_SUFFIX=".pt")  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resuming from" in resumed.stdout and "00000004.pt" in resumed.stdout
+    assert_same_run(uninterrupted[2], run)
+    opened = {f.name: f.read_text().splitlines() for f in reads.iterdir()}
+    assert len(opened) >= 3  # the command and its 2 ranks at least
+    readers = [pid for pid, files in opened.items() if any("ckpt-" in f for f in files)]
+    assert len(readers) == 1, opened
+
+
 @pytest.mark.parametrize("nprocs", [1, 2])
 def test_augmentation_in_loader_workers_resumes_bit_exact(uninterrupted, tmp_path, nprocs):
     """Each sample is augmented in a DataLoader worker with generators seeded from (seed,
