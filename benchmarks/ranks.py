@@ -12,9 +12,9 @@ over the ranks, with two optimizer states each), the slowest rank's, median of t
 repetitions after the first, interleaved: ``dcp.save`` with its default planner (every
 save plans anew; dmltrain's save before), dmltrain's synchronous save (cached plan,
 pruning after the closing barrier) and its asynchronous save (the loop waits for a copy).
-Full resume: the bytes each rank asks read() for while every rank loads the same
-checkpoint and uses all of it (``rchar``; memory-mapped pages are shared by a node's
-ranks and read once by it).
+Full resume: how many ranks open the checkpoint file (each such rank on a node of its own
+reads it from the file system) and the seconds until every rank holds its state, from a
+cold file, against one read of it by one rank.
 """
 
 import argparse
@@ -137,31 +137,51 @@ def saves(rank: int, world: int, port: int, root: str, values: int, repeats: int
     dist.destroy_process_group()
 
 
-def read_chars() -> int:
-    """Bytes this process has asked read() for (``rchar``): what a file system serves it
-    when its cache does not hold the file, as on a node that has not read it yet."""
-    line = next(x for x in Path("/proc/self/io").read_text().splitlines() if x.startswith("rchar"))
-    return int(line.split()[1])
-
-
 def resumes(rank: int, world: int, port: int, path: str, out: dict) -> None:
-    """Every rank loads the same full checkpoint, as a resume does, and uses every tensor:
-    ``torch.load`` (dmltrain's load before) and ``load_file`` (memory-mapped)."""
+    """Every rank gets the same full checkpoint and uses every tensor, each time from a
+    cold file (its pages dropped from the cache): rank 0 alone reading it (one read, the
+    goal's measure), each rank ``torch.load``ing it (dmltrain's load two versions ago),
+    each rank mapping it (``load_file``; the last version), rank 0 mapping it and handing
+    it out (``hand_out``: dmltrain's resume now). For each, whether this rank opened the
+    file, and the seconds until the slowest rank holds it. The ranks here share one page
+    cache, so the first two read the disk about once: what matters across nodes is how
+    many ranks open the file."""
+    from dmltrain.checkpoint.handout import hand_out
     from dmltrain.checkpoint.storage import load_file
+    from dmltrain.config import DistConfig
+    from dmltrain.runtime.distributed import DDPStrategy
+    from dmltrain.runtime.launch import DistInfo
 
     share_cores(world)
+    strategy = DDPStrategy(DistInfo(rank=rank, world_size=world, master_port=port),
+                           DistConfig(backend="gloo"))  # fmt: skip
+    strategy.setup()
+    opened = {"now": ""}
+    sys.addaudithook(lambda event, args: event == "open" and str(args[0]) == path
+                     and opened.update({opened["now"]: "yes"}))  # fmt: skip
 
-    def use(state: dict) -> float:
-        return float(sum(t.sum() for t in state["model"].values()))
+    def use(state: dict | None) -> float:
+        return 0.0 if state is None else float(sum(t.sum() for t in state["model"].values()))
 
-    loads = {"torch.load": lambda: torch.load(path, weights_only=True),
-             "dmltrain (mmap)": lambda: load_file(Path(path))}  # fmt: skip
+    loads = {"one read": lambda: load_file(Path(path)) if rank == 0 else None,
+             "torch.load": lambda: torch.load(path, weights_only=True),
+             "mmap": lambda: load_file(Path(path)),
+             "hand_out": lambda: hand_out(strategy, load_file(Path(path)) if rank == 0
+                                          else None)}  # fmt: skip
     measured = {}
     for name, load in loads.items():
-        before, started = read_chars(), time.perf_counter()
+        opened["now"] = name
+        if rank == 0:
+            with open(path, "rb") as handle:  # cold: as on a node that has not read it
+                os.fsync(handle.fileno())  # written pages can be dropped once on disk
+                os.posix_fadvise(handle.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        dist.barrier()
+        started = time.perf_counter()
         use(load())
-        measured[name] = (read_chars() - before, time.perf_counter() - started)
+        dist.barrier()  # until the slowest rank holds it
+        measured[name] = (name in opened, time.perf_counter() - started)
     out[rank] = measured
+    strategy.teardown()
 
 
 def spawn(target, world: int, *args) -> dict:
@@ -193,8 +213,10 @@ def main(argv: list[str] | None = None) -> dict:
     lines = [
         "| ranks | connections a rank: full mesh | lazy (dmltrain) | sharded save blocks: "
         "dcp.save, default planner (s) | dmltrain sync (s) | dmltrain async (s) | "
-        "async / sync | full resume, bytes read a rank: torch.load | dmltrain (mmap) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "async / sync | full resume, ranks that open the file (s): one read, rank 0 alone | "
+        "every rank torch.load | every rank maps | rank 0 hands out (dmltrain) | "
+        "hand-out / one read |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     ratios = {}
     for world in worlds:
@@ -217,18 +239,25 @@ def main(argv: list[str] | None = None) -> dict:
             for name in ranks[0]
         }
         old, sync, later = blocked.values()
-        read = [statistics.mean(loaded[r][name][0] for r in loaded) / size for name in loaded[0]]
+        resume = {  # ranks that opened the file, the slowest rank's seconds
+            name: (sum(loaded[r][name][0] for r in loaded), max(loaded[r][name][1] for r in loaded))
+            for name in loaded[0]
+        }
         ratios = {
             "sharded save: async / sync blocking": later / sync,
             "connections a rank: lazy / full mesh": held[True] / held[False],
-            "full resume: bytes read a rank, mmap / torch.load": read[1] / read[0],
+            "full resume: ranks that open the file, hand-out / every rank": (
+                resume["hand_out"][0] / resume["torch.load"][0]
+            ),
+            "full resume: hand-out / one read (s)": resume["hand_out"][1] / resume["one read"][1],
         }  # at the most ranks measured
         lines.append(f"| {world} | {held[False]} | {held[True]} | {old:.3f} | {sync:.3f} | "
-                     f"{later:.3f} | {later / sync:.2f}x | {read[0]:.2f}x the file | "
-                     f"{read[1]:.3f}x |")  # fmt: skip
+                     f"{later:.3f} | {later / sync:.2f}x | "
+                     + " | ".join(f"{n} ({t:.2f})" for n, t in resume.values())
+                     + f" | {resume['hand_out'][1] / resume['one read'][1]:.2f}x |")  # fmt: skip
     head = (f"sharded state: {values / 1e6:.0f}M values over the ranks; median of {repeats} "
             "saves after the first, the slowest rank's, interleaved; full resume: a "
-            f"{size / 2**20:.0f} MiB checkpoint loaded by every rank at once")  # fmt: skip
+            f"{size / 2**20:.0f} MiB checkpoint, cold before each way")  # fmt: skip
     text = "\n".join([head, "", *lines])
     print(text, flush=True)
     return {"markdown": text, "ratios": ratios}
