@@ -476,7 +476,10 @@ def main(argv: Sequence[str] | None = None, experiments: Sequence[Experiment] = 
         print(f"dmltrain: error: {exc}", file=sys.stderr)
         return 2
     trainer.name = experiment.name
-    status = run_reporting_errors(trainer.fit, trainer.dist.rank, trainer.dist.world_size)
+    dist = trainer.dist  # a --nprocs parent is no rank: its lines name none
+    status = run_reporting_errors(
+        trainer.fit, dist.rank, 1 if dist.starts_workers else dist.world_size
+    )
     held = True  # whether the status file holds the job's status (rank 0 writes it)
     # A lost peer's status is this rank's to write only where rank 0 may be the one lost:
     # where rank 0's store still answered, rank 0 writes it (it may still be saving).

@@ -33,6 +33,13 @@ class ConfigError(UserError, ValueError):
     """A configuration value or file that cannot be used."""
 
 
+class SharedError(UserError):
+    """Bad input that every rank raises at once, with rank 0's words (a verdict it handed
+    to all: a checkpoint that does not load, a job whose ranks do not match): rank 0 says
+    it, once; the others leave with the same status and say nothing."""
+
+
+EXIT_BAD_INPUT = 2  # one line says what to fix
 EXIT_REQUEUE = 3  # "checkpoint saved, more to do": slurm/run.sh requeues the job
 EXIT_NONFINITE = 4  # stopped on a NaN/Inf (--check-nans --on-nan raise); checkpoints kept
 EXIT_PEER_LOST = 5  # another rank or host was lost; the checkpoints are intact: resume
@@ -92,11 +99,13 @@ class PeerFailed(OneLine):
 
 
 class RankFailed(OneLine):
-    """A worker process failed; the others were stopped. ``exit_code`` is the worker's."""
+    """A worker process failed; the others were stopped. ``exit_code`` is the worker's;
+    ``said``: the workers said why themselves, and this process has nothing to add."""
 
-    def __init__(self, message: str, exit_code: int) -> None:
+    def __init__(self, message: str, exit_code: int, said: bool = False) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+        self.said = said
 
 
 def forget_interrupt() -> None:
@@ -121,11 +130,16 @@ def run_reporting_errors(fn: Callable[[], object], rank: int, world_size: int) -
     who = f"[rank {rank}] " if world_size > 1 else ""
     try:
         fn()
+    except SharedError as exc:
+        if rank == 0:
+            print(f"dmltrain: error: {exc}", file=sys.stderr, flush=True)
+        return 2
     except UserError as exc:
         print(f"dmltrain: error: {who}{exc}", file=sys.stderr, flush=True)
         return 2
     except RankFailed as exc:
-        print(f"dmltrain: {exc}", file=sys.stderr, flush=True)
+        if not exc.said:
+            print(f"dmltrain: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code or 1
     except KeyboardInterrupt:
         forget_interrupt()

@@ -161,6 +161,29 @@ def test_a_status_file_in_a_missing_folder_is_refused_before_training(tmp_path):
     assert not run.exists()
 
 
+@pytest.mark.parametrize("bad", ["resume", "load-weights", "run directory"])
+def test_bad_input_that_rank_0_finds_is_one_line_under_two_processes(finished, tmp_path, bad):
+    """A checkpoint that does not load, found by rank 0 and handed to every rank: rank 0
+    says it once; the other rank and the --nprocs parent add nothing (each rank said it,
+    then torch's warning that it stopped the other, then the parent's line)."""
+    run = tmp_path / "run"
+    junk = tmp_path / "junk.pt"
+    junk.write_text("not a checkpoint")
+    flags = {"resume": ["--resume", str(junk)], "load-weights": ["--load-weights", str(junk)],
+             "run directory": []}[bad]  # fmt: skip
+    if bad == "run directory":
+        subprocess.run(["cp", "-a", str(finished), str(run)], check=True)
+        for path in (run / "checkpoints").glob("ckpt-*.pt"):
+            path.write_bytes(path.read_bytes()[:100])
+    done = run_cli(*STEPS, "--nprocs", "2", *flags, "--run-dir", str(run), cwd=tmp_path)
+    assert done.returncode == 2, done.stderr[-3000:]
+    # rank 0's warnings of the corrupt ones it skipped, then its one line
+    said = [line for line in done.stderr.splitlines() if not line.startswith("WARNING: checkpoint")]
+    assert len(said) == 1, done.stderr[-3000:]
+    line = one_error(done.stderr)
+    assert "[rank" not in line and ("is not a checkpoint" in line or "loads" in line), line
+
+
 @pytest.mark.parametrize("where", ["train_step", "create_model"])
 def test_a_rank_that_fails_in_its_own_code_is_named_and_the_run_fails(tmp_path, where):
     """Rank 1 raises (a bug): rank 0 stops at once with a line naming rank 1 and its error,

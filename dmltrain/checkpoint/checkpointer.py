@@ -44,7 +44,7 @@ from dmltrain.data.samples import sample_seed
 from dmltrain.engine.metrics import merge_states
 from dmltrain.engine.precision import Precision
 from dmltrain.engine.state import TrainState
-from dmltrain.errors import UserError
+from dmltrain.errors import SharedError, UserError
 from dmltrain.runtime.distributed import Strategy, unwrap
 
 
@@ -277,8 +277,8 @@ class Checkpointer:
                 optimizer.state.clear()
         self.last_save = time.monotonic()
         if failed is not None:
-            if must:
-                raise WriteFailed(failed)
+            if must:  # every rank stops, with rank 0's line
+                raise SharedError(failed)
             if main:
                 self.warn(f"{failed}; training goes on and tries again at the next checkpoint")
         else:
@@ -385,7 +385,7 @@ class Checkpointer:
             (None if found is None else str(found[0]), failed)
         )
         if failed is not None:
-            raise UserError(failed)
+            raise SharedError(failed)
         if choice is None:
             return None
         return Path(choice), hand_out(self.strategy, None if found is None else found[1])

@@ -18,7 +18,14 @@ from pathlib import Path
 from typing import Any
 
 from dmltrain.checkpoint.storage import list_checkpoints
-from dmltrain.errors import NonFiniteError, PeerLost, StopForRequeue, UserError, first_line
+from dmltrain.errors import (
+    NonFiniteError,
+    PeerLost,
+    SharedError,
+    StopForRequeue,
+    UserError,
+    first_line,
+)
 from dmltrain.records.files import NotWritten, write_atomic
 from dmltrain.runtime import diagnostics
 
@@ -154,7 +161,7 @@ def choose(
     chosen, error = broadcast(decision)
     if error:
         held.release()
-        raise UserError(error)
+        raise SharedError(error)
     return Path(chosen), held
 
 

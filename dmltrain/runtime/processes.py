@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any, NoReturn
 
 from dmltrain.errors import (
+    EXIT_BAD_INPUT,
     EXIT_PEER_LOST,
     EXIT_REQUEUE,
     RankFailed,
@@ -26,6 +27,7 @@ from dmltrain.runtime.launch import DistInfo, spawned
 from dmltrain.runtime.preemption import PreemptionWatcher
 
 REQUEUE_GRACE_SECONDS = 60.0  # for the other workers to leave once one left to be requeued
+BAD_INPUT_GRACE_SECONDS = 10.0  # the same, once one left on bad input
 
 
 def spawn(
@@ -56,13 +58,21 @@ def spawn(
         assert context is not None
         held: list[tuple[Any, int]] = []  # (worker, signal) not passed on yet
         requeued_at = None  # when the first worker left to be requeued (exit status 3)
+        bad_input_at = None  # when the first worker left on bad input (exit status 2)
         while True:
             workers = context.processes
             running = [w.sentinel for w in workers if w.exitcode is None]
             multiprocessing.connection.wait(running, timeout=0.2)
             codes = [w.exitcode for w in workers]
-            if None not in codes or set(codes) - {None, 0, EXIT_REQUEUE}:
+            failed = set(codes) - {None, 0, EXIT_REQUEUE}
+            if None not in codes or failed - {EXIT_BAD_INPUT}:
                 break  # all ended, or one failed
+            # Bad input is said by the rank that found it, and a verdict of rank 0's
+            # (SharedError) ends every rank alike: the others may be leaving by themselves.
+            if failed:
+                bad_input_at = bad_input_at or time.monotonic()
+                if time.monotonic() - bad_input_at > BAD_INPUT_GRACE_SECONDS:
+                    break
             # A requeue is not a failure: the others stop at the same step boundary (they
             # agreed to) and leave by themselves; stopping them would print a warning each.
             if EXIT_REQUEUE in codes:
@@ -72,6 +82,9 @@ def spawn(
             received = watcher.take_received()
             held += [(process, signum) for signum in received for process in workers]
             held = [(process, signum) for process, signum in held if not _pass_on(process, signum)]
+        codes = [w.exitcode for w in context.processes]
+        if None not in codes and EXIT_BAD_INPUT in codes and set(codes) <= {0, EXIT_BAD_INPUT}:
+            raise RankFailed("bad input, said by the ranks", EXIT_BAD_INPUT, said=True)
         context.join()  # raises for the first that failed, and stops the others
     except mp.ProcessExitedException as exc:
         if exc.exit_code == EXIT_REQUEUE:  # a checkpoint was saved; the run goes on later
