@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from dmltrain.errors import SharedError, UserError, first_line
+from dmltrain.errors import UserError, first_line
 from dmltrain.runtime.diagnostics import package_version
 from dmltrain.runtime.launch import hostname
 
@@ -135,7 +135,7 @@ def check(
             time.sleep(0.05)
     else:
         store.add(_READ, 1)
-    raise SharedError(problem)
+    raise UserError(problem)
 
 
 _POST = "dmltrain/preflight"  # each rank's post, under its rank
