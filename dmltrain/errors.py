@@ -35,8 +35,9 @@ class ConfigError(UserError, ValueError):
 
 class SharedError(UserError):
     """Bad input that every rank raises at once, with rank 0's words (a verdict it handed
-    to all: a checkpoint that does not load, a job whose ranks do not match): rank 0 says
-    it, once; the others leave with the same status and say nothing."""
+    to all: a checkpoint that does not load, a run directory it cannot use): rank 0 says
+    it, once; the others leave with the same status and say nothing. (Preflight's verdict
+    is every rank's own line: each node's log names what is wrong there.)"""
 
 
 EXIT_BAD_INPUT = 2  # one line says what to fix
