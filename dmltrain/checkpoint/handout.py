@@ -62,30 +62,30 @@ def hand_out(strategy: Any, state: Any) -> Any:
 
 def _split(obj: Any, tensors: list[Tensor]) -> Any:
     """``obj`` with each dense tensor replaced by its Slot; the tensors appended in order."""
-    if isinstance(obj, Tensor) and obj.layout == torch.strided and type(obj) is Tensor:
-        tensors.append(obj)
-        return Slot(len(tensors) - 1, tuple(obj.shape), obj.dtype)
-    if isinstance(obj, dict):
-        items = [(key, _split(value, tensors)) for key, value in obj.items()]
-        return OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
-    if isinstance(obj, list):
-        return [_split(value, tensors) for value in obj]
-    if type(obj) is tuple:
-        return tuple(_split(value, tensors) for value in obj)
-    return obj  # plain values, and anything else, go pickled
+
+    def slot(leaf: Any) -> Any:
+        if isinstance(leaf, Tensor) and leaf.layout == torch.strided and type(leaf) is Tensor:
+            tensors.append(leaf)
+            return Slot(len(tensors) - 1, tuple(leaf.shape), leaf.dtype)
+        return leaf  # plain values, and anything else, go pickled
+
+    return _walk(obj, slot)
 
 
 def _join(obj: Any, tensors: list[Tensor]) -> Any:
-    if isinstance(obj, Slot):
-        return tensors[obj.place]
+    return _walk(obj, lambda leaf: tensors[leaf.place] if isinstance(leaf, Slot) else leaf)
+
+
+def _walk(obj: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``obj`` rebuilt, its dicts, lists and tuples walked in order, ``leaf`` of the rest."""
     if isinstance(obj, dict):
-        items = [(key, _join(value, tensors)) for key, value in obj.items()]
+        items = [(key, _walk(value, leaf)) for key, value in obj.items()]
         return OrderedDict(items) if isinstance(obj, OrderedDict) else dict(items)
     if isinstance(obj, list):
-        return [_join(value, tensors) for value in obj]
+        return [_walk(value, leaf) for value in obj]
     if type(obj) is tuple:
-        return tuple(_join(value, tensors) for value in obj)
-    return obj
+        return tuple(_walk(value, leaf) for value in obj)
+    return leaf(obj)
 
 
 def _nbytes(slot: Slot) -> int:
