@@ -54,7 +54,7 @@ EXIT_STATUSES: dict[int, tuple[str, str]] = {
         "line naming it",
         "end the job, no requeue: the same code would fail again",
     ),
-    2: (
+    EXIT_BAD_INPUT: (
         "bad input (a flag, config file, data, checkpoint, a run directory in use or whose "
         "checkpoints do not load): one line, nothing in the run directory changed",
         "end the job",
@@ -134,10 +134,10 @@ def run_reporting_errors(fn: Callable[[], object], rank: int, world_size: int) -
     except SharedError as exc:
         if rank == 0:
             print(f"dmltrain: error: {exc}", file=sys.stderr, flush=True)
-        return 2
+        return EXIT_BAD_INPUT
     except UserError as exc:
         print(f"dmltrain: error: {who}{exc}", file=sys.stderr, flush=True)
-        return 2
+        return EXIT_BAD_INPUT
     except RankFailed as exc:
         if not exc.said:
             print(f"dmltrain: {exc}", file=sys.stderr, flush=True)

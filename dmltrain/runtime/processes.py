@@ -26,8 +26,11 @@ from dmltrain.errors import (
 from dmltrain.runtime.launch import DistInfo, spawned
 from dmltrain.runtime.preemption import PreemptionWatcher
 
-REQUEUE_GRACE_SECONDS = 60.0  # for the other workers to leave once one left to be requeued
-BAD_INPUT_GRACE_SECONDS = 10.0  # the same, once one left on bad input
+# Once one worker left with one of these statuses, how long the others get to leave by
+# themselves (stopping them would print a warning each): after a requeue they stop at the
+# same step boundary (they agreed to); bad input is said by the rank that found it, and a
+# verdict of rank 0's (SharedError) ends every rank alike.
+LEAVING_GRACE_SECONDS = {EXIT_REQUEUE: 60.0, EXIT_BAD_INPUT: 10.0}
 
 
 def spawn(
@@ -57,28 +60,19 @@ def spawn(
         )
         assert context is not None
         held: list[tuple[Any, int]] = []  # (worker, signal) not passed on yet
-        requeued_at = None  # when the first worker left to be requeued (exit status 3)
-        bad_input_at = None  # when the first worker left on bad input (exit status 2)
+        left_at: dict[int, float] = {}  # when the first worker left with each such status
         while True:
             workers = context.processes
             running = [w.sentinel for w in workers if w.exitcode is None]
             multiprocessing.connection.wait(running, timeout=0.2)
             codes = [w.exitcode for w in workers]
-            failed = set(codes) - {None, 0, EXIT_REQUEUE}
-            if None not in codes or failed - {EXIT_BAD_INPUT}:
+            if None not in codes or set(codes) - {None, 0, *LEAVING_GRACE_SECONDS}:
                 break  # all ended, or one failed
-            # Bad input is said by the rank that found it, and a verdict of rank 0's
-            # (SharedError) ends every rank alike: the others may be leaving by themselves.
-            if failed:
-                bad_input_at = bad_input_at or time.monotonic()
-                if time.monotonic() - bad_input_at > BAD_INPUT_GRACE_SECONDS:
-                    break
-            # A requeue is not a failure: the others stop at the same step boundary (they
-            # agreed to) and leave by themselves; stopping them would print a warning each.
-            if EXIT_REQUEUE in codes:
-                requeued_at = requeued_at or time.monotonic()
-                if time.monotonic() - requeued_at > REQUEUE_GRACE_SECONDS:
-                    break
+            now = time.monotonic()
+            for code in set(codes) & LEAVING_GRACE_SECONDS.keys():
+                left_at.setdefault(code, now)
+            if any(now - at > LEAVING_GRACE_SECONDS[code] for code, at in left_at.items()):
+                break
             received = watcher.take_received()
             held += [(process, signum) for signum in received for process in workers]
             held = [(process, signum) for process, signum in held if not _pass_on(process, signum)]
