@@ -108,6 +108,8 @@ def test_an_interval_sends_the_same_few_numbers_whatever_the_number_of_ranks():
 
 
 def test_a_data_bound_interval_twice_in_a_row_warns_once():
+    """Nothing but waiting for data: the share is well over the warning's (0.2). The bound
+    leaves the rest of the interval room under load (0.78 of it was waiting once in CI)."""
     clock, warnings = StepClock(torch.device("cpu")), []
     monitor = Monitor(clock, one_rank, 0, ["node1"], 1.2, warnings.append, None,
                       flops_per_sample=1e9, global_batch=8,
@@ -118,13 +120,13 @@ def test_a_data_bound_interval_twice_in_a_row_warns_once():
             clock.step()
         return monitor.interval(2)
 
-    values = interval(0.02)
-    assert values["data_wait"] > 0.9 and values["steps_per_s"] > 0
+    values = interval(0.05)
+    assert values["data_wait"] > 0.5 and values["steps_per_s"] > 0
     assert values["tflops"] == pytest.approx(1e9 * 8 * values["steps_per_s"] / 1e12, rel=0.05)
     assert "mfu" not in values  # no known peak on a CPU
     assert warnings == []  # one interval is not a trend
-    interval(0.02)
-    interval(0.02)
+    interval(0.05)
+    interval(0.05)
     assert len(warnings) == 1, warnings
     assert "data loading is the bottleneck" in warnings[0]
     assert "raise --num-workers" in warnings[0]
