@@ -26,7 +26,6 @@ import json
 import resource
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +36,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import run_worker
+from benchmarks.common import run_worker, scratch
 from dmltrain import BaseTrainer, Callback, register_experiment
 
 SIZES = {  # layers, width, heads, vocabulary, tokens a sample, batch, timed steps
@@ -162,7 +161,7 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     size = "smoke" if args.smoke else "quick" if args.quick else "full"
     rounds = 1 if args.smoke or args.quick else 3
-    tmp = tempfile.mkdtemp(prefix="dmltrain-big-models-")
+    tmp = scratch("big-models")
     counter = iter(range(10**6))
 
     def run(nprocs: int, *flags: str) -> list[dict]:

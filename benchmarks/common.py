@@ -1,13 +1,16 @@
 """What the benchmarks share: the models, in-memory data, the step clock, peak memory,
 and running contenders interleaved in fresh processes."""
 
+import atexit
 import itertools
 import json
 import os
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -151,6 +154,14 @@ def single_process(device: str):
     from dmltrain.runtime.launch import detect
 
     return replace(detect("single", 1), device=device)
+
+
+def scratch(name: str) -> str:
+    """A new folder for one benchmark's runs, removed when this process exits: the runs'
+    checkpoints add up to gigabytes over a few benchmark runs."""
+    folder = tempfile.mkdtemp(prefix=f"dmltrain-{name}-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    return folder
 
 
 def peak_rss_mib() -> float:

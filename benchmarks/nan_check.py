@@ -21,7 +21,6 @@ import io
 import json
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
@@ -36,6 +35,7 @@ from benchmarks.common import (
     pass_turn,
     rotate,
     run_worker,
+    scratch,
     single_process,
 )
 from dmltrain import BaseTrainer, TrainConfig
@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
         return {}
     steps, processes = (30, 1) if args.quick else (150 if args.model == "cnn" else 600, 5)
     block = 1 if args.device == "cpu" else 20  # the clock syncs a GPU at every turn
-    root = Path(tempfile.mkdtemp(prefix="dmltrain-nan-bench-"))
+    root = Path(scratch("nan-bench"))
     results = [
         run_worker(
             Path(__file__),

@@ -45,6 +45,7 @@ from benchmarks.common import (
     peak_rss_mib,
     rotate,
     run_worker,
+    scratch,
     single_process,
 )
 
@@ -264,10 +265,8 @@ def worker_args(name: str, model: str, warmup: int, steps: int, device: str, run
 
 def measure(model: str, plan: "Plan", device: str) -> dict:
     """{contender: {"step_ms", "ratio", "low", "high", "rss", "cuda"}} for one model."""
-    import tempfile
-
     names = [n for n in CONTENDERS if available(n)]
-    tmp = tempfile.mkdtemp(prefix="dmltrain-overhead-")
+    tmp = scratch("overhead")
     script = Path(__file__)
     rotations = []
     for i in range(plan.processes):

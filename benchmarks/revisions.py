@@ -53,9 +53,10 @@ class Bench(BaseTrainer):
     def train_step(self, batch):
         x, y = batch
         return F.cross_entropy(self.model(x), y)
-config = TrainConfig(epochs=1, batch_size=64, progress="off", wandb_mode="disabled",
-                     keep_last=1, run_dir=tempfile.mkdtemp() + "/run", **json.loads(sys.argv[1]))
-Bench(config).fit()
+with tempfile.TemporaryDirectory() as tmp:
+    config = TrainConfig(epochs=1, batch_size=64, progress="off", wandb_mode="disabled",
+                         keep_last=1, run_dir=tmp + "/run", **json.loads(sys.argv[1]))
+    Bench(config).fit()
 print(json.dumps(1e6 * statistics.median(times[100:])))
 """
 

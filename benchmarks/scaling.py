@@ -17,14 +17,13 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import Clocked, interleaved, make_data, make_model, run_worker
+from benchmarks.common import Clocked, interleaved, make_data, make_model, run_worker, scratch
 from benchmarks.overhead import worker_args
 from dmltrain import BaseTrainer, register_experiment
 
@@ -123,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
             worker(args.worker, args.steps, args.run_dir)
         return {}
     rounds, steps = (1, 4) if args.smoke else (1, 20) if args.quick else (5, 60)
-    tmp = tempfile.mkdtemp(prefix="dmltrain-scaling-")
+    tmp = scratch("scaling")
     counter = iter(range(10**6))
     script = Path(__file__)
     names = [("dmltrain", 1), ("dmltrain", 2), ("plain", 1), ("plain", 2), ("independent", 2)]
@@ -170,7 +169,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 def gpu_precision(rounds: int, ratios: dict) -> list[str]:
     """dmltrain vs the plain loop on one GPU, fp32 and bf16 (the MLP, where the GPU works)."""
-    tmp = tempfile.mkdtemp(prefix="dmltrain-gpu-")
+    tmp = scratch("gpu")
     counter = iter(range(10**6))
     overhead = Path(__file__).with_name("overhead.py")
     names = [(c, p) for p in ("fp32", "bf16") for c in ("plain", "dmltrain")]

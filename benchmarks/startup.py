@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import ROOT, interleaved, run_worker
+from benchmarks.common import ROOT, interleaved, run_worker, scratch
 from benchmarks.overhead import available, worker_args
 
 COMMANDS = {
@@ -86,9 +86,7 @@ def main(argv: list[str] | None = None) -> dict:
         if k not in peers or (available(k.split()[1]) and not args.smoke)
     }
     times = interleaved(list(commands), rounds, lambda k: command_times(commands[k]))
-    import tempfile
-
-    tmp = tempfile.mkdtemp(prefix="dmltrain-startup-")
+    tmp = scratch("startup")
     counter = iter(range(10**6))
     # quick mode: the target's two (the peers' workers run in overhead's quick mode too)
     wanted = ("plain", "dmltrain") if args.quick else FIRST_STEP

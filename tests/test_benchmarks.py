@@ -2,6 +2,7 @@
 and write their results; the numbers are not asserted, benchmarks/RESULTS.md holds a full
 run's)."""
 
+import os
 import subprocess
 import sys
 
@@ -9,14 +10,18 @@ from helpers import REQUIRE_ALL, ROOT
 
 
 def test_smoke_mode_writes_results_and_plot(tmp_path):
+    scratch = tmp_path / "tmp"  # where the benchmarks put their runs: nothing is left there
+    scratch.mkdir()
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.run", "--smoke", "--out", str(tmp_path)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=1200,
+        env={**os.environ, "TMPDIR": str(scratch)},
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(p.name for p in scratch.glob("dmltrain-*")) == []
     results = (tmp_path / "RESULTS.md").read_text()
     for section in ("## Targets", "## overhead", "## startup", "## checkpoint", "## scaling",
                     "## nan_check", "## threads", "## data_pipeline",
