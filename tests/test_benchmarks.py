@@ -3,25 +3,34 @@ and write their results; the numbers are not asserted, benchmarks/RESULTS.md hol
 run's)."""
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 from helpers import REQUIRE_ALL, ROOT
 
 
 def test_smoke_mode_writes_results_and_plot(tmp_path):
-    scratch = tmp_path / "tmp"  # where the benchmarks put their runs: nothing is left there
-    scratch.mkdir()
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.run", "--smoke", "--out", str(tmp_path)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=1200,
-        env={**os.environ, "TMPDIR": str(scratch)},
-    )
+    # where the benchmarks put their runs: nothing is left there. Directly under the system's
+    # temporary folder: the loader workers' AF_UNIX sockets go under TMPDIR too, and inside
+    # tmp_path (under xdist) their paths are too long to bind, so the loader waits forever.
+    scratch = Path(tempfile.mkdtemp(prefix="bench-"))
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "benchmarks.run", "--smoke", "--out", str(tmp_path)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=1200,
+            env={**os.environ, "TMPDIR": str(scratch)},
+        )
+        left = sorted(p.name for p in scratch.glob("dmltrain-*"))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert sorted(p.name for p in scratch.glob("dmltrain-*")) == []
+    assert left == []
     results = (tmp_path / "RESULTS.md").read_text()
     for section in ("## Targets", "## overhead", "## startup", "## checkpoint", "## scaling",
                     "## nan_check", "## threads", "## data_pipeline",
