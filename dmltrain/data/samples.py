@@ -88,10 +88,11 @@ class SeededSamples(Dataset):
 
     def __getitems__(self, keys: list[Any]) -> list[Any]:
         """A batch's samples (the DataLoader fetches a batch with one call)."""
+        dataset = self.dataset  # looked up once, not once a sample
         if not keys or not isinstance(keys[0], tuple):
-            return [self.dataset[key] for key in keys]
+            return [dataset[key] for key in keys]
         if not self.seeded:
-            return [self.dataset[index] for _, index in keys]
+            return [dataset[index] for _, index in keys]
         # A worker's generators are its own; the training process's are the model's.
         saved = None if get_worker_info() is not None else _generator_states()
         try:
