@@ -1,6 +1,7 @@
 """Sample-weighted metric means that stay on the device until they are read."""
 
 from collections.abc import Callable, Mapping
+from operator import itemgetter
 
 import torch
 from torch import Tensor
@@ -10,6 +11,7 @@ from dmltrain.engine.batches import to_device
 from dmltrain.errors import UserError
 
 Values = Mapping[str, Tensor | float]
+_TENSORS = {Tensor}
 
 
 class MetricAccumulator:
@@ -45,19 +47,41 @@ class MetricAccumulator:
     def _totals(self) -> dict[str, Tensor | float]:
         """The running totals with the kept steps added (read only: reading the metrics
         must not move where the groups fall)."""
-        columns: dict[str, dict[int, list[Tensor | float]]] = {}  # name -> n -> values
-        for metrics, n in self._kept:
-            for name, value in metrics.items():
-                columns.setdefault(name, {}).setdefault(n, []).append(value)
         totals = dict(self._sums)
-        for name, by_count in columns.items():
+        for name, by_count in self._columns().items():
             total = totals.get(name, 0.0)
             for n, values in by_count.items():
                 total = total + n * self._sum(name, values)
             totals[name] = total
         return totals
 
+    def _columns(self) -> dict[str, dict[int, list[Tensor | float]]]:
+        """The kept values by name, then by the steps' sample count, in step order."""
+        if not self._kept:
+            return {}
+        steps, counts = zip(*self._kept, strict=True)
+        names = set(map(tuple, steps))
+        if len(names) == 1 and len(set(counts)) == 1:
+            # the usual case: every step the same metrics and batch size; map and
+            # itemgetter walk the steps in C, not as bytecode per step and metric
+            n = counts[0]
+            return {name: {n: list(map(itemgetter(name), steps))} for name in next(iter(names))}
+        columns: dict[str, dict[int, list[Tensor | float]]] = {}
+        for metrics, n in self._kept:
+            for name, value in metrics.items():
+                columns.setdefault(name, {}).setdefault(n, []).append(value)
+        return columns
+
     def _sum(self, name: str, values: list[Tensor | float]) -> Tensor | float:
+        if set(map(type, values)) == _TENSORS:  # the usual case, checked in C
+            try:
+                stacked = torch.stack(values)  # type: ignore[arg-type]
+            except RuntimeError:
+                stacked = None  # shapes or devices differ: below, one by one
+            if stacked is not None and stacked.numel() == len(values):  # one element each
+                # + 0: the general case adds the numbers' sum, 0 here (a -0.0 total then
+                # becomes 0.0 in both)
+                return stacked.sum(dtype=torch.float32) + 0
         tensors = [v for v in values if isinstance(v, Tensor)]
         try:
             number = sum(float(v) for v in values if not isinstance(v, Tensor))
