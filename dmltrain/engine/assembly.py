@@ -245,7 +245,9 @@ class TrainerSetup(TrainingLoop):
         if self.manual_optimization:
             self._step = ManualStep(**parts)
         else:
-            self._step = OptimizerStep(on_after_backward=self.on_after_backward, **parts)
+            overridden = type(self).on_after_backward is not TrainerHooks.on_after_backward
+            after_backward = self.on_after_backward if overridden else None
+            self._step = OptimizerStep(on_after_backward=after_backward, **parts)
             check_first_forward(self._step, self.strategy.sync_wrapper(self.model))
 
     def _setup_data(self) -> None:

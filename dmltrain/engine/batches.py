@@ -1,7 +1,7 @@
 """What a batch is to the loop: moving it to the device, its size, one step's output, and
 the groups of micro-batches that make one optimizer step."""
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -62,8 +62,14 @@ def split_step_output(output: StepOutput) -> tuple[Tensor, Mapping[str, Tensor |
     return output, {}
 
 
-def chunks(batches: Iterable[Any], size: int) -> Iterator[list[Any]]:
+def chunks(batches: Iterable[Any], size: int) -> Iterator[Sequence[Any]]:
     """Consecutive groups of ``size`` batches (the last may be shorter): one optimizer step."""
+    if size == 1:
+        return zip(batches)  # groups of one, made in C: no bytecode a step
+    return _groups(batches, size)
+
+
+def _groups(batches: Iterable[Any], size: int) -> Iterator[list[Any]]:
     group: list[Any] = []
     for batch in batches:
         group.append(batch)

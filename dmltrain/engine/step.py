@@ -6,7 +6,7 @@ Python functions: each costs a microsecond or more between torch's kernels.
 """
 
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +27,7 @@ class OptimizerStep:
     """The parts a step uses, gathered once in setup; ``run`` takes one step."""
 
     train_step: Callable[[Any], Any]  # the experiment's: batch -> loss (, metrics)
-    on_after_backward: Callable[[], None]
+    on_after_backward: Callable[[], None] | None  # None: the trainer does not override it
     model: nn.Module
     optimizers: tuple[Any, ...]  # each steps on the one loss (create_optimizer)
     schedulers: tuple[Any, ...]  # stepped after every update; () when they step per epoch
@@ -43,7 +43,24 @@ class OptimizerStep:
     # callbacks' on_before_optimizer_step, bound to the trainer: they see final gradients
     before_update: tuple[Callable[[], None], ...] = ()
 
-    def run(self, micro_batches: list[Any], epoch: int, step: int) -> NanEvent | None:
+    def __post_init__(self) -> None:
+        # Worked out once, so the usual step (fp32, one optimizer, a strategy that leaves
+        # the update to the optimizer) calls none of the wrappers it does not need.
+        self._fp32 = self.precision.dtype is None and self.precision.scaler is None
+        self._moves = self.device.type != "cpu"  # a DataLoader's batches are on the CPU
+        self._unscales = bool(self.grad_clip or self.nan_checker is not None or self.before_update)
+        hands_off = (
+            type(self.strategy).sync_gradients is Strategy.sync_gradients
+            and type(self.strategy).optimizer_step is Strategy.optimizer_step
+        )
+        self._finals = self._unscales or not hands_off  # the loop over optimizers below
+        # the one optimizer that steps by itself (its step is looked up at each call: an
+        # LR scheduler made later wraps it)
+        self._alone = (
+            self.optimizers[0] if hands_off and self._fp32 and len(self.optimizers) == 1 else None
+        )
+
+    def run(self, micro_batches: Sequence[Any], epoch: int, step: int) -> NanEvent | None:
         """Forward and backward of each micro-batch, checks, clipping, the update. Returns
         the non-finite step to roll back from (``--on-nan rollback``), else None."""
         precision, checker, global_step = self.precision, self.nan_checker, self.state.global_step
@@ -53,18 +70,21 @@ class OptimizerStep:
         results = []
         last = len(micro_batches) - 1
         for i, batch in enumerate(micro_batches):
-            batch = to_device(batch, self.device)
+            if self._moves:
+                batch = to_device(batch, self.device)
             if i == last and not self.detect_anomaly:
                 loss, step_metrics = self._forward_backward(batch, last + 1)
             else:
                 with self._micro_batch_context(last=i == last):
                     loss, step_metrics = self._forward_backward(batch, last + 1)
             results.append((loss.detach(), step_metrics, batch_size_of(batch)))
-        self.on_after_backward()
-        for optimizer in optimizers:
-            self.strategy.sync_gradients(optimizer)
-            if self.grad_clip or checker is not None or self.before_update:
-                precision.unscale(optimizer)
+        if self.on_after_backward is not None:
+            self.on_after_backward()
+        if self._finals:
+            for optimizer in optimizers:
+                self.strategy.sync_gradients(optimizer)
+                if self._unscales:
+                    precision.unscale(optimizer)
         if checker is not None:
             losses = torch.stack([loss.float() for loss, _, _ in results])
             flags = checker.flags(losses, gradients=precision.scaler is None, parameters=False)
@@ -75,7 +95,9 @@ class OptimizerStep:
             call()
         if self.grad_clip:  # the norm stays on the device until a log interval reads it
             self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-        if len(optimizers) == 1:
+        if self._alone is not None:
+            self._alone.step()
+        elif len(optimizers) == 1:
             self.strategy.optimizer_step(precision.step, optimizers[0])
         else:
             for optimizer in optimizers:
@@ -87,10 +109,18 @@ class OptimizerStep:
         self, batch: Any, micro_batches: int
     ) -> tuple[Tensor, Mapping[str, Tensor | float]]:
         """``train_step`` under the precision's autocast, then its (scaled) backward."""
-        precision = self.precision
-        loss, step_metrics = split_step_output(precision.forward(self.train_step, batch))
+        if self._fp32:  # no autocast, no scaler
+            output = self.train_step(batch)
+        else:
+            output = self.precision.forward(self.train_step, batch)
+        loss, step_metrics = (
+            split_step_output(output) if isinstance(output, tuple) else (output, {})
+        )
         try:
-            precision.backward(loss / micro_batches if micro_batches > 1 else loss)
+            if self._fp32:
+                (loss / micro_batches if micro_batches > 1 else loss).backward()
+            else:
+                self.precision.backward(loss / micro_batches if micro_batches > 1 else loss)
         except (AttributeError, RuntimeError, TypeError) as exc:
             bad = contract.loss(loss, exc)
             if bad is None:
@@ -170,7 +200,7 @@ class ManualStep:
             params = [p for group in optimizer.param_groups for p in group["params"]]
             self._own[id(optimizer)] = (params, {id(p) for p in params})
 
-    def run(self, micro_batches: list[Any], epoch: int, step: int) -> NanEvent | None:
+    def run(self, micro_batches: Sequence[Any], epoch: int, step: int) -> NanEvent | None:
         for optimizer in self.optimizers:
             optimizer.zero_grad()
         self._micro_batches, self._where = len(micro_batches), (epoch, step)
