@@ -96,3 +96,24 @@ def test_contenders_taking_turns_time_only_their_own_steps():
     # warm-up and the first 3 timed steps, then turns of 3; the last turn runs to the end
     turns = [n for i, n in enumerate(order) if i == 0 or order[i - 1] != n]
     assert turns == ["fast", "slow"] * 3
+
+
+def test_overhead_phases_table(tmp_path):
+    """Every phase of a step gets a number for each contender; the runs leave nothing."""
+    scratch = Path(tempfile.mkdtemp(prefix="bench-"))  # short: see the smoke test
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "benchmarks.overhead_phases", "--processes", "1",
+             "--steps", "60"],
+            cwd=ROOT, capture_output=True, text=True, timeout=600,
+            env={**os.environ, "TMPDIR": str(scratch)},
+        )  # fmt: skip
+        left = sorted(p.name for p in scratch.glob("dmltrain-*"))
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert left == []
+    rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in done.stdout.splitlines()}
+    assert all(float(cell) > 0 for cell in rows["plain (us)"][:5]), rows
+    for row in ("plain-twin - plain", "dmltrain - plain"):
+        assert len([float(cell) for cell in rows[row]]) == 6, rows  # five phases and their sum
