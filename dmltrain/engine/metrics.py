@@ -77,11 +77,12 @@ class MetricAccumulator:
             try:
                 stacked = torch.stack(values)  # type: ignore[arg-type]
             except RuntimeError:
-                stacked = None  # shapes or devices differ: below, one by one
-            if stacked is not None and stacked.numel() == len(values):  # one element each
-                # + 0: the general case adds the numbers' sum, 0 here (a -0.0 total then
-                # becomes 0.0 in both)
-                return stacked.sum(dtype=torch.float32) + 0
+                pass  # shapes or devices differ: below, one by one
+            else:
+                if stacked.numel() == len(values):  # one element each
+                    # + 0: the general case adds the numbers' sum, 0 here (a -0.0 total
+                    # then becomes 0.0 in both)
+                    return stacked.sum(dtype=torch.float32) + 0
         tensors = [v for v in values if isinstance(v, Tensor)]
         try:
             number = sum(float(v) for v in values if not isinstance(v, Tensor))

@@ -55,6 +55,9 @@ class Precision:
         self.device = device
         self.dtype: torch.dtype | None = DTYPES[kind]
         self.scaler = torch.amp.GradScaler(device.type) if kind == "fp16" else None
+        # no autocast and no scaler: forward, backward and step are the plain calls, which a
+        # step may make itself (dmltrain.engine.step), one call fewer each
+        self.plain = self.dtype is None and self.scaler is None
         self.skipped = torch.zeros((), dtype=torch.int64, device=device)  # overflow steps
 
     def forward(self, fn: Callable[[Any], T], batch: Any) -> T:

@@ -46,7 +46,6 @@ class OptimizerStep:
     def __post_init__(self) -> None:
         # Worked out once, so the usual step (fp32, one optimizer, a strategy that leaves
         # the update to the optimizer) calls none of the wrappers it does not need.
-        self._fp32 = self.precision.dtype is None and self.precision.scaler is None
         self._moves = self.device.type != "cpu"  # a DataLoader's batches are on the CPU
         self._unscales = bool(self.grad_clip or self.nan_checker is not None or self.before_update)
         hands_off = (
@@ -56,9 +55,8 @@ class OptimizerStep:
         self._finals = self._unscales or not hands_off  # the loop over optimizers below
         # the one optimizer that steps by itself (its step is looked up at each call: an
         # LR scheduler made later wraps it)
-        self._alone = (
-            self.optimizers[0] if hands_off and self._fp32 and len(self.optimizers) == 1 else None
-        )
+        alone = hands_off and self.precision.plain and len(self.optimizers) == 1
+        self._alone = self.optimizers[0] if alone else None
 
     def run(self, micro_batches: Sequence[Any], epoch: int, step: int) -> NanEvent | None:
         """Forward and backward of each micro-batch, checks, clipping, the update. Returns
@@ -109,18 +107,20 @@ class OptimizerStep:
         self, batch: Any, micro_batches: int
     ) -> tuple[Tensor, Mapping[str, Tensor | float]]:
         """``train_step`` under the precision's autocast, then its (scaled) backward."""
-        if self._fp32:  # no autocast, no scaler
+        precision = self.precision
+        if precision.plain:
             output = self.train_step(batch)
         else:
-            output = self.precision.forward(self.train_step, batch)
+            output = precision.forward(self.train_step, batch)
         loss, step_metrics = (
             split_step_output(output) if isinstance(output, tuple) else (output, {})
         )
-        try:
-            if self._fp32:
-                (loss / micro_batches if micro_batches > 1 else loss).backward()
+        try:  # a bad loss (not a tensor, no grad) fails here, in the division or backward
+            share = loss / micro_batches if micro_batches > 1 else loss
+            if precision.plain:
+                share.backward()
             else:
-                self.precision.backward(loss / micro_batches if micro_batches > 1 else loss)
+                precision.backward(share)
         except (AttributeError, RuntimeError, TypeError) as exc:
             bad = contract.loss(loss, exc)
             if bad is None:
