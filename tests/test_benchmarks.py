@@ -12,23 +12,33 @@ from pathlib import Path
 from helpers import REQUIRE_ALL, ROOT
 
 
-def test_smoke_mode_writes_results_and_plot(tmp_path):
-    # where the benchmarks put their runs: nothing is left there. Directly under the system's
-    # temporary folder: the loader workers' AF_UNIX sockets go under TMPDIR too, and inside
-    # tmp_path (under xdist) their paths are too long to bind, so the loader waits forever.
+def run_leaving_nothing(
+    module_args: list[str], timeout: int
+) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """``python -m MODULE ARGS`` with a TMPDIR of its own; returns the run and the names of
+    the benchmarks' run folders (``dmltrain-*``) it left there. The TMPDIR is directly under
+    the system's temporary folder: the loader workers' AF_UNIX sockets go under it too, and
+    inside tmp_path (under xdist) their paths are too long to bind, so a loader waits
+    forever."""
     scratch = Path(tempfile.mkdtemp(prefix="bench-"))
     try:
         done = subprocess.run(
-            [sys.executable, "-m", "benchmarks.run", "--smoke", "--out", str(tmp_path)],
+            [sys.executable, "-m", *module_args],
             cwd=ROOT,
             capture_output=True,
             text=True,
-            timeout=1200,
+            timeout=timeout,
             env={**os.environ, "TMPDIR": str(scratch)},
         )
-        left = sorted(p.name for p in scratch.glob("dmltrain-*"))
+        return done, sorted(p.name for p in scratch.glob("dmltrain-*"))
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
+
+
+def test_smoke_mode_writes_results_and_plot(tmp_path):
+    done, left = run_leaving_nothing(
+        ["benchmarks.run", "--smoke", "--out", str(tmp_path)], timeout=1200
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert left == []
     results = (tmp_path / "RESULTS.md").read_text()
@@ -100,17 +110,9 @@ def test_contenders_taking_turns_time_only_their_own_steps():
 
 def test_overhead_phases_table(tmp_path):
     """Every phase of a step gets a number for each contender; the runs leave nothing."""
-    scratch = Path(tempfile.mkdtemp(prefix="bench-"))  # short: see the smoke test
-    try:
-        done = subprocess.run(
-            [sys.executable, "-m", "benchmarks.overhead_phases", "--processes", "1",
-             "--steps", "60"],
-            cwd=ROOT, capture_output=True, text=True, timeout=600,
-            env={**os.environ, "TMPDIR": str(scratch)},
-        )  # fmt: skip
-        left = sorted(p.name for p in scratch.glob("dmltrain-*"))
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+    done, left = run_leaving_nothing(
+        ["benchmarks.overhead_phases", "--processes", "1", "--steps", "60"], timeout=600
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert left == []
     rows = {line.split("|")[1].strip(): line.split("|")[2:-1] for line in done.stdout.splitlines()}
