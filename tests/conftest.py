@@ -67,6 +67,7 @@ QUICK = (
     "test_preflight.py",
     "test_progress.py",
     "test_schedules.py",
+    "test_snapshot.py",
     "test_trainer.py",
     "test_training_log.py",
     "test_bad_input.py::test_checkpoints_that_do_not_load_stop_the_run",

@@ -17,6 +17,19 @@ def snapshot(obj: Any, into: Any = None) -> Any:
         from torch.distributed.tensor import DTensor
 
         assert isinstance(obj, DTensor)
+        if (
+            isinstance(into, DTensor)
+            and into.shape == obj.shape
+            and into.dtype == obj.dtype
+            and into.stride() == obj.stride()
+            and into.placements == obj.placements
+            and into.device_mesh == obj.device_mesh
+            and into._local_tensor.shape == obj._local_tensor.shape
+            and into._local_tensor.device.type == "cpu"
+        ):  # the earlier copy's wrapper as it is: to_local and from_local are autograd
+            # functions, dear next to the copy itself of FSDP's many small shards
+            into._local_tensor.copy_(obj._local_tensor.detach())
+            return into
         local = snapshot(obj.to_local(), into.to_local() if isinstance(into, DTensor) else None)
         return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False,
                                   shape=obj.shape, stride=obj.stride())  # fmt: skip

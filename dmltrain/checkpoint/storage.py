@@ -304,9 +304,6 @@ class CheckpointDir:
         one process), and rank 0 publishes once all are written; ``wait`` on every rank
         ends it. The save's plan is cached (the same shards each time): rank 0 then merges
         no plans, which at 1,024 ranks is what a save costs."""
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
         path = self.directory / checkpoint_name(epoch, global_step, SHARDED)
         tmp = path.with_name(f".{path.name}.tmp-sharded")
         self.wait()  # every rank: its part of the write in flight
@@ -315,10 +312,8 @@ class CheckpointDir:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir()
         barrier()  # the directory exists before any rank writes
-        writer = dcp.FileSystemWriter(str(tmp), sync_files=True)
-        planner = DefaultSavePlanner(enable_plan_caching=True)
         if not asynchronous:
-            dcp.save(shards, storage_writer=writer, planner=planner)
+            self._write_sharded(shards, tmp, path, None, best)
             if meta is not None:  # dcp.save returns on rank 0 once every rank's shards are written
                 self._publish_sharded(tmp, path, meta, best, prune=False)
             barrier()
@@ -326,19 +321,34 @@ class CheckpointDir:
                 self._in_background(self._prune)
             return path
         # Copied as the .pt path copies (into the last save's copy): torch's stager deep-copies
-        # every DTensor's Python structure at each save, several times the memory copy.
+        # every DTensor's Python structure at each save, several times the memory copy. The
+        # writer thread then does what dcp.async_save would do in a thread of its own (a
+        # second thread to start while the first plans keeps the loop waiting for the
+        # interpreter's lock).
         copy = self._staging = snapshot(shards, self._staging)
-        written = dcp.async_save(
-            copy, storage_writer=writer, planner=planner, process_group=group, async_stager=_COPIED
-        )
-        self._in_background(self._finish_async, written, tmp, path, meta, best)
+        self._in_background(self._write_sharded, copy, tmp, path, meta, best, group)
         return path
 
-    def _finish_async(
-        self, written: Any, tmp: Path, path: Path, meta: dict[str, Any] | None, best: bool
+    def _write_sharded(
+        self,
+        shards: dict[str, Any],
+        tmp: Path,
+        path: Path,
+        meta: dict[str, Any] | None,
+        best: bool,
+        group: Any = None,
     ) -> None:
-        written.result()  # on every rank, once rank 0 has written the shards' index
-        if meta is not None:
+        """Every rank's part of a sharded save; rank 0 (``meta``) publishes it."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+        dcp.save(
+            shards,
+            storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True),
+            planner=DefaultSavePlanner(enable_plan_caching=True),  # the cache is torch's, by class
+            process_group=group,
+        )
+        if meta is not None:  # dcp.save returns on rank 0 once every rank's shards are written
             self._publish_sharded(tmp, path, meta, best)
 
     def _publish_sharded(
@@ -383,28 +393,6 @@ class CheckpointDir:
         for path in list_checkpoints(self.directory)[self.keep_last :]:
             if path.resolve() not in keep:
                 _remove(path)
-
-
-class _Copied:
-    """torch.distributed.checkpoint's stager for a state already copied (``snapshot``)."""
-
-    _synchronize_after_execute = False
-
-    @property
-    def should_synchronize_after_execute(self) -> bool:
-        return False
-
-    def stage(self, state_dict: Any) -> Any:
-        return state_dict
-
-    def synchronize_staging(self) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-_COPIED = _Copied()
 
 
 def _remove(path: Path) -> None:
