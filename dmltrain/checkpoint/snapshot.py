@@ -17,20 +17,20 @@ def snapshot(obj: Any, into: Any = None) -> Any:
         from torch.distributed.tensor import DTensor
 
         assert isinstance(obj, DTensor)
+        # The local tensors themselves: to_local and from_local are autograd functions, dear
+        # next to the copy of FSDP's many small shards; the earlier copy's wrapper is kept
+        # when its local tensor was copied into and it describes the same shard.
+        earlier = into if isinstance(into, DTensor) else None
+        local = snapshot(obj._local_tensor, None if earlier is None else earlier._local_tensor)
         if (
-            isinstance(into, DTensor)
-            and into.shape == obj.shape
-            and into.dtype == obj.dtype
-            and into.stride() == obj.stride()
-            and into.placements == obj.placements
-            and into.device_mesh == obj.device_mesh
-            and into._local_tensor.shape == obj._local_tensor.shape
-            and into._local_tensor.device.type == "cpu"
-        ):  # the earlier copy's wrapper as it is: to_local and from_local are autograd
-            # functions, dear next to the copy itself of FSDP's many small shards
-            into._local_tensor.copy_(obj._local_tensor.detach())
-            return into
-        local = snapshot(obj.to_local(), into.to_local() if isinstance(into, DTensor) else None)
+            earlier is not None
+            and local is earlier._local_tensor
+            and earlier.shape == obj.shape
+            and earlier.stride() == obj.stride()
+            and earlier.placements == obj.placements
+            and earlier.device_mesh == obj.device_mesh
+        ):
+            return earlier
         return DTensor.from_local(local, obj.device_mesh, obj.placements, run_check=False,
                                   shape=obj.shape, stride=obj.stride())  # fmt: skip
     if isinstance(obj, torch.Tensor):

@@ -313,9 +313,7 @@ class CheckpointDir:
             tmp.mkdir()
         barrier()  # the directory exists before any rank writes
         if not asynchronous:
-            self._write_sharded(shards, tmp, path, None, best)
-            if meta is not None:  # dcp.save returns on rank 0 once every rank's shards are written
-                self._publish_sharded(tmp, path, meta, best, prune=False)
+            self._write_sharded(shards, tmp, path, meta, best, prune=False)
             barrier()
             if meta is not None:  # an old checkpoint's N+2 files: not while every rank waits
                 self._in_background(self._prune)
@@ -337,6 +335,7 @@ class CheckpointDir:
         meta: dict[str, Any] | None,
         best: bool,
         group: Any = None,
+        prune: bool = True,
     ) -> None:
         """Every rank's part of a sharded save; rank 0 (``meta``) publishes it."""
         import torch.distributed.checkpoint as dcp
@@ -349,7 +348,7 @@ class CheckpointDir:
             process_group=group,
         )
         if meta is not None:  # dcp.save returns on rank 0 once every rank's shards are written
-            self._publish_sharded(tmp, path, meta, best)
+            self._publish_sharded(tmp, path, meta, best, prune)
 
     def _publish_sharded(
         self, tmp: Path, path: Path, meta: dict[str, Any], best: bool, prune: bool = True
