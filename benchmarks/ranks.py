@@ -76,24 +76,34 @@ def share_cores(world: int) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
 
 
-def sharded_state(world: int, values: int) -> dict:
-    """Model and optimizer state dicts of DTensors sharded over the ranks, as FSDP's."""
+def sharded_state(world: int, values: int, weights: int | None = None) -> dict:
+    """Model and optimizer state dicts of DTensors sharded over the ranks, as FSDP's:
+    512x512 weights, or ``weights`` of them in one dimension, with two Adam states each."""
     from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
     mesh = init_device_mesh("cpu", (world,))
     side = 512
-    layers = max(1, values // (3 * side * side))
+    layers = weights or max(1, values // (3 * side * side))
+    shape = (side, side) if weights is None else (values // (3 * weights),)
     torch.manual_seed(0)
     model, optim = {}, {}
     for layer in range(layers):
         name = f"layers.{layer}.weight"
-        model[name] = distribute_tensor(torch.randn(side, side), mesh, [Shard(0)])
+        model[name] = distribute_tensor(torch.randn(shape), mesh, [Shard(0)])
         optim[name] = {
-            "exp_avg": distribute_tensor(torch.randn(side, side), mesh, [Shard(0)]),
-            "exp_avg_sq": distribute_tensor(torch.rand(side, side), mesh, [Shard(0)]),
+            "exp_avg": distribute_tensor(torch.randn(shape), mesh, [Shard(0)]),
+            "exp_avg_sq": distribute_tensor(torch.rand(shape), mesh, [Shard(0)]),
             "step": torch.tensor(1.0),
         }
     return {"model": model, "optimizer": {"state": optim}}
+
+
+def gloo(rank: int, world: int, port: int) -> None:
+    """This rank in a Gloo process group with lazy connections, as dmltrain makes them."""
+    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0,
+                          timeout=datetime.timedelta(seconds=300))  # fmt: skip
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
 
 
 def saves(rank: int, world: int, port: int, root: str, values: int, repeats: int,
@@ -102,11 +112,8 @@ def saves(rank: int, world: int, port: int, root: str, values: int, repeats: int
 
     from dmltrain.checkpoint.storage import CheckpointDir
 
-    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
     share_cores(world)
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0,
-                          timeout=datetime.timedelta(seconds=300))  # fmt: skip
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    gloo(rank, world, port)
     background = dist.new_group(backend="gloo")
     shards = sharded_state(world, values)
     plain = Path(root) / "plain"
@@ -157,31 +164,12 @@ def wrapped_copy(obj: dict, into: dict) -> dict:
 
 def rank_part(rank: int, world: int, port: int, root: str, weights: int, repeats: int,
               out: dict) -> None:  # fmt: skip
-    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
-
     from dmltrain.checkpoint.snapshot import snapshot
     from dmltrain.checkpoint.storage import CheckpointDir
 
-    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
-    torch.set_num_threads(1)
-    store = dist.TCPStore("127.0.0.1", port, world, rank == 0,
-                          timeout=datetime.timedelta(seconds=300))  # fmt: skip
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    mesh = init_device_mesh("cpu", (world,))
-    size = 16 * 2**20 // 4 // (3 * weights)  # values a shard: 16 MB a rank in all
-    torch.manual_seed(0)
-
-    def shard() -> torch.Tensor:
-        return distribute_tensor(torch.randn(size), mesh, [Shard(0)])
-
-    shards = {
-        "model": {f"layers.{i}.weight": shard() for i in range(weights)},
-        "optimizer": {"state": {
-            f"layers.{i}.weight": {"exp_avg": shard(), "exp_avg_sq": shard(),
-                                   "step": torch.tensor(1.0)}
-            for i in range(weights)
-        }},
-    }  # fmt: skip
+    torch.set_num_threads(1)  # a rank's share of a node's cores
+    gloo(rank, world, port)
+    shards = sharded_state(world, 16 * 2**20 // 4, weights)  # 16 MB a rank
     copy = snapshot(shards)
     sync = CheckpointDir(Path(root) / "sync", keep_last=1)
     later = CheckpointDir(Path(root) / "async", keep_last=1, asynchronous=True)
