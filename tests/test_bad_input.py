@@ -392,7 +392,9 @@ def test_the_tools_on_broken_files_are_one_line(finished, tmp_path):
 
 
 def test_a_rendezvous_port_in_use_says_so(tmp_path):
-    """MASTER_PORT taken by another program: one line saying so, at once."""
+    """MASTER_PORT taken by another program: one line saying so, at once. Rank 1, blocked
+    connecting to that port, cannot act on a SIGTERM: it is killed once rank 0's line had
+    its time (torch's spawn would send SIGTERM and wait 30 s more, saying so)."""
     import socket
 
     with socket.socket() as taken:
@@ -407,6 +409,8 @@ def test_a_rendezvous_port_in_use_says_so(tmp_path):
     assert f"the rendezvous port {port} is in use by another program: set MASTER_PORT" in (
         done.stderr
     )
+    assert "dmltrain: rank 0 failed first (exit code 2)" in done.stderr
+    assert "SIGTERM" not in done.stderr, done.stderr[-3000:]
 
 
 def test_a_copied_sweep_runs_its_trials_in_the_copy(tmp_path):

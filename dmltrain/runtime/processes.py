@@ -27,10 +27,16 @@ from dmltrain.runtime.launch import DistInfo, spawned
 from dmltrain.runtime.preemption import PreemptionWatcher
 
 # Once one worker left with one of these statuses, how long the others get to leave by
-# themselves (stopping them would print a warning each): after a requeue they stop at the
-# same step boundary (they agreed to); bad input is said by the rank that found it, and a
-# verdict of rank 0's (SharedError) ends every rank alike.
+# themselves before they are killed: after a requeue they stop at the same step boundary
+# (they agreed to) once their checkpoint is written; bad input is said by the rank that
+# found it, and a verdict of rank 0's (SharedError) ends every rank alike. One still
+# running then is stuck (e.g. connecting to a rendezvous that never answers).
 LEAVING_GRACE_SECONDS = {EXIT_REQUEUE: 60.0, EXIT_BAD_INPUT: 10.0}
+# Once one worker failed otherwise, how long the others get to leave by themselves (they
+# find the peer lost) before torch stops them: SIGTERM, then SIGKILL after as long again.
+# Not torch's 30 s: a worker catches SIGTERM as a preemption, which one blocked in a call
+# into C++ cannot act on.
+STOP_SECONDS = 5.0
 
 
 def spawn(
@@ -60,7 +66,7 @@ def spawn(
         )
         assert context is not None
         held: list[tuple[Any, int]] = []  # (worker, signal) not passed on yet
-        left_at: dict[int, float] = {}  # when the first worker left with each such status
+        left_at: dict[int, tuple[float, int]] = {}  # such a status: when, and who left first
         while True:
             workers = context.processes
             running = [w.sentinel for w in workers if w.exitcode is None]
@@ -70,21 +76,23 @@ def spawn(
                 break  # all ended, or one failed
             now = time.monotonic()
             for code in set(codes) & LEAVING_GRACE_SECONDS.keys():
-                left_at.setdefault(code, now)
-            if any(now - at > LEAVING_GRACE_SECONDS[code] for code, at in left_at.items()):
-                break
+                left_at.setdefault(code, (now, codes.index(code)))
+            late = [
+                (at, i, c) for c, (at, i) in left_at.items() if now - at > LEAVING_GRACE_SECONDS[c]
+            ]
+            if late:  # the others had their time: stopped now, the first to leave named
+                _, first, code = min(late)
+                _kill(workers)
+                raise _left_first(first_rank + first, code)
             received = watcher.take_received()
             held += [(process, signum) for signum in received for process in workers]
             held = [(process, signum) for process, signum in held if not _pass_on(process, signum)]
         codes = [w.exitcode for w in context.processes]
         if None not in codes and EXIT_BAD_INPUT in codes and set(codes) <= {0, EXIT_BAD_INPUT}:
             raise RankFailed("bad input, said by the ranks", EXIT_BAD_INPUT, said=True)
-        context.join()  # raises for the first that failed, and stops the others
+        # raises for the first that failed, and stops the others
+        context.join(grace_period=STOP_SECONDS)
     except mp.ProcessExitedException as exc:
-        if exc.exit_code == EXIT_REQUEUE:  # a checkpoint was saved; the run goes on later
-            raise StopForRequeue(
-                f"checkpoint saved; run the same again to resume (exit status {EXIT_REQUEUE})"
-            ) from None
         if exc.signal_name:  # killed from outside (the OOM killer, kill -9): a lost peer
             raise RankFailed(
                 f"rank {first_rank + exc.error_index} was killed by {exc.signal_name}; the "
@@ -92,15 +100,32 @@ def spawn(
                 f"to resume (exit status {EXIT_PEER_LOST})",
                 EXIT_PEER_LOST,
             ) from None
-        raise RankFailed(
-            f"rank {first_rank + exc.error_index} failed first (exit code {exc.exit_code}); "
-            "the other ranks were stopped",
-            exc.exit_code if exc.exit_code and exc.exit_code > 0 else 1,
-        ) from None
+        raise _left_first(first_rank + exc.error_index, exc.exit_code) from None
     except mp.ProcessRaisedException as exc:
         raise RankFailed(f"rank {first_rank + exc.error_index} failed first: {exc}", 1) from None
     finally:
         watcher.restore()
+
+
+def _left_first(rank: int, code: int) -> RankFailed | StopForRequeue:
+    """What ``spawn`` raises when worker ``rank`` was the first to leave, with ``code``."""
+    if code == EXIT_REQUEUE:  # a checkpoint was saved; the run goes on later
+        return StopForRequeue(
+            f"checkpoint saved; run the same again to resume (exit status {EXIT_REQUEUE})"
+        )
+    return RankFailed(
+        f"rank {rank} failed first (exit code {code}); the other ranks were stopped",
+        code if code and code > 0 else 1,
+    )
+
+
+def _kill(workers: list[Any]) -> None:
+    """Stop the workers still running, at once (they had their time to leave)."""
+    for worker in workers:
+        if worker.is_alive():
+            worker.kill()
+    for worker in workers:
+        worker.join()
 
 
 def spawn_fits(trainer_cls: type, name: str, config: Any, options: Any, parent: DistInfo) -> None:
