@@ -3,8 +3,10 @@ its documented exit status, and what was in the run directory before is there af
 byte for byte. (The Slurm side, a failing rank's job not requeued: test_slurm.)"""
 
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -497,3 +499,46 @@ def test_a_batch_size_that_the_global_batch_overrides_is_said(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "WARNING: --global-batch-size 8 on 1 process(es) sets --batch-size 8, not the 4 " \
         "given" in done.stderr  # fmt: skip
+
+
+LOADER = """
+import torch
+from torch.utils.data import DataLoader
+
+batches = DataLoader(torch.arange(8), batch_size=2, num_workers=1, timeout=10)
+print("samples", sum(len(batch) for batch in batches))
+"""
+
+
+def test_a_temporary_directory_too_long_for_the_loader_workers_sockets_is_said_at_once():
+    """TMPDIR one character longer than the loader's workers can hand batches over from
+    (a real DataLoader with a worker: it fails there, and works one character shorter):
+    one line before training, not the loader's error minutes later."""
+    from dmltrain.runtime.processes import loader_workers_problem
+
+    base = Path(tempfile.mkdtemp(dir="/tmp"))  # tmp_path may be too long a path already
+    try:
+        name = "d"
+        while loader_workers_problem(str(base / (name + "d"))) is None:
+            name += "d"
+        fits, too_long = base / name, base / (name + "d")
+        fits.mkdir()
+        too_long.mkdir()
+        assert loader_workers_problem(str(fits)) is None
+        for directory, works in ((fits, True), (too_long, False)):
+            env = {**cli_env(), "TMPDIR": str(directory)}
+            done = subprocess.run([sys.executable, "-c", LOADER], env=env, capture_output=True,
+                                  text=True, timeout=120)  # fmt: skip
+            assert (done.returncode == 0) is works, done.stderr[-2000:]
+            assert ("samples 8" in done.stdout) is works
+            assert ("AF_UNIX path too long" in done.stderr) is not works
+        started = time.monotonic()
+        done = run_cli(*TINY, "--num-workers", "1", "--run-dir", str(base / "run"), cwd=base,
+                       TMPDIR=str(too_long))  # fmt: skip
+        assert time.monotonic() - started < 60  # not the loader's timeout
+        assert done.returncode == 2
+        assert f"the temporary directory {too_long} (TMPDIR) is too long a path" in one_error(
+            done.stderr
+        )
+    finally:
+        shutil.rmtree(base)

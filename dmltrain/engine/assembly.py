@@ -9,6 +9,7 @@ seed, ``create_model``, per-rank seed, wrap, EMA copy, compile, loaders, optimiz
 import contextlib
 import dataclasses
 import os
+import tempfile
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -282,6 +283,10 @@ class TrainerSetup(TrainingLoop):
             )
         if val_set is not None:
             self.val_loader = self.create_dataloader(samples.keyed(val_set, seed), train=False)
+        if any(loader and loader.num_workers for loader in (self.train_loader, self.val_loader)):
+            problem = processes.loader_workers_problem(tempfile.gettempdir())
+            if problem is not None:
+                raise UserError(problem)
 
     def _profiler_feature(self) -> ProfilerFeature | None:
         """This rank's profiler when --profile-ranks names it (the lowest shows its table)."""

@@ -107,6 +107,35 @@ def spawn(
         watcher.restore()
 
 
+# The longest path a Unix socket may have: sun_path (108 bytes on Linux, 104 on macOS)
+# with the path's terminating NUL.
+_SOCKET_PATH_BYTES = (104 if sys.platform == "darwin" else 108) - 1
+# multiprocessing's listener under the temporary directory: pymp-XXXXXXXX/listener-XXXXXXXX
+_LISTENER = os.path.join("pymp-" + 8 * "x", "listener-" + 8 * "x")
+
+
+def loader_workers_problem(temp_dir: str) -> str | None:
+    """Why a DataLoader's worker processes could not hand their batches to this process,
+    or None. Each batch's shared memory goes through a Unix socket that Python's
+    multiprocessing makes in the temporary directory ``temp_dir`` (TMPDIR); past a
+    socket's length limit every worker dies ("AF_UNIX path too long") and the loader
+    raises its own error minutes later."""
+    import torch.multiprocessing as mp
+
+    if mp.get_sharing_strategy() != "file_descriptor":  # no sockets: file names instead
+        return None
+    longest = len(os.fsencode(os.path.join(temp_dir, _LISTENER)))
+    if longest <= _SOCKET_PATH_BYTES:
+        return None
+    most = _SOCKET_PATH_BYTES - (longest - len(os.fsencode(temp_dir)))
+    return (
+        f"the temporary directory {temp_dir} (TMPDIR) is too long a path for the sockets "
+        f"through which the loader's worker processes hand over batches (at most {most} "
+        "characters here): set TMPDIR to a shorter directory (e.g. /tmp), or train with "
+        "--num-workers 0"
+    )
+
+
 def _left_first(rank: int, code: int) -> RankFailed | StopForRequeue:
     """What ``spawn`` raises when worker ``rank`` was the first to leave, with ``code``."""
     if code == EXIT_REQUEUE:  # a checkpoint was saved; the run goes on later
