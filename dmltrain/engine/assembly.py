@@ -283,7 +283,11 @@ class TrainerSetup(TrainingLoop):
             )
         if val_set is not None:
             self.val_loader = self.create_dataloader(samples.keyed(val_set, seed), train=False)
-        if any(loader and loader.num_workers for loader in (self.train_loader, self.val_loader)):
+        # `is not None`: a loader over a stream has no len(), so it has no truth value
+        if any(
+            loader is not None and loader.num_workers > 0
+            for loader in (self.train_loader, self.val_loader)
+        ):
             problem = processes.loader_workers_problem(tempfile.gettempdir())
             if problem is not None:
                 raise UserError(problem)

@@ -32,11 +32,6 @@ from dmltrain.runtime.preemption import PreemptionWatcher
 # found it, and a verdict of rank 0's (SharedError) ends every rank alike. One still
 # running then is stuck (e.g. connecting to a rendezvous that never answers).
 LEAVING_GRACE_SECONDS = {EXIT_REQUEUE: 60.0, EXIT_BAD_INPUT: 10.0}
-# Once one worker failed otherwise, how long the others get to leave by themselves (they
-# find the peer lost) before torch stops them: SIGTERM, then SIGKILL after as long again.
-# Not torch's 30 s: a worker catches SIGTERM as a preemption, which one blocked in a call
-# into C++ cannot act on.
-STOP_SECONDS = 5.0
 
 
 def spawn(
@@ -90,8 +85,7 @@ def spawn(
         codes = [w.exitcode for w in context.processes]
         if None not in codes and EXIT_BAD_INPUT in codes and set(codes) <= {0, EXIT_BAD_INPUT}:
             raise RankFailed("bad input, said by the ranks", EXIT_BAD_INPUT, said=True)
-        # raises for the first that failed, and stops the others
-        context.join(grace_period=STOP_SECONDS)
+        context.join()  # raises for the first that failed, and stops the others
     except mp.ProcessExitedException as exc:
         if exc.signal_name:  # killed from outside (the OOM killer, kill -9): a lost peer
             raise RankFailed(
