@@ -18,8 +18,8 @@ def run_leaving_nothing(
     """``python -m MODULE ARGS`` with a TMPDIR of its own; returns the run and the names of
     the benchmarks' run folders (``dmltrain-*``) it left there. The TMPDIR is directly under
     the system's temporary folder: the loader workers' AF_UNIX sockets go under it too, and
-    inside tmp_path (under xdist) their paths are too long to bind, so a loader waits
-    forever."""
+    inside tmp_path (under xdist) their paths are too long to bind (dmltrain refuses such a
+    TMPDIR when its loader has workers)."""
     scratch = Path(tempfile.mkdtemp(prefix="bench-"))
     try:
         done = subprocess.run(
