@@ -7,6 +7,7 @@ the events (``callback``, ``features``); the loop names no feature.
 """
 
 import contextlib
+import functools
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -142,14 +143,25 @@ class TrainingLoop(TrainerHooks):
         last = self._budget.last_step_in_epoch(steps)  # of --max-steps, when inside the epoch
         left = self._feed.epoch(s.epoch, s.step_in_epoch)  # the micro-batches from here on
         batches = chunks(clock.batches(left), loop.grad_accum)
-        step_end, every = self._events.on_step_end, loop.val_every_steps
+        step_end, every, skips = self._events.on_step_end, loop.val_every_steps, s.skip_steps
+        # bound once: each lookup of a bound method makes an object, at every step
+        agree = functools.partial(
+            preemption.agree,
+            self._agreement,
+            self._watcher,
+            self.strategy.max_over_ranks,
+            self._checkpointer.minutes_due,
+            self._budget.time_done,
+        )
+        run, due = self._step.run, self._progress.due
+        save_when_due = self._checkpointer.save_when_due
         clock.restart()
         for step, micro_batches in enumerate(
             self._progress.epoch(batches, epoch, loop.epochs, steps, s.metrics.count),
             start=s.step_in_epoch + 1,
         ):
-            if (epoch, step) not in s.skip_steps:  # not dropped by a rollback
-                event = self._step.run(micro_batches, epoch, step)
+            if not skips or (epoch, step) not in skips:  # not dropped by a rollback
+                event = run(micro_batches, epoch, step)
                 if event is not None:
                     return event
             s.global_step += 1
@@ -157,7 +169,7 @@ class TrainingLoop(TrainerHooks):
             for call in step_end:  # the built-in features first (EMA first of all)
                 call(self)
             clock.step()
-            if self._progress.due(step):  # the log interval, and the epoch's last step
+            if due(step):  # the log interval, and the epoch's last step
                 self._log_interval(step, epoch)
             within = steps is None or step < steps  # not the epoch's last step
             if every and s.global_step % every == 0 and within and self.val_loader:
@@ -169,14 +181,8 @@ class TrainingLoop(TrainerHooks):
                     self._checkpointer.save(best=True)
                 if stop_early:
                     return Done(stop_early, validated=True)
-            stopping, timed, finished = preemption.agree(
-                self._agreement,
-                self._watcher,
-                self.strategy.max_over_ranks,
-                self._checkpointer.minutes_due,
-                self._budget.time_done,
-            )
-            self._checkpointer.save_when_due(timed, stopping)
+            stopping, timed, finished = agree()
+            save_when_due(timed, stopping)
             if stopping:
                 return self._stop_for_preemption()
             if (finished and within) or step == last:  # a budget ends the run in the epoch

@@ -100,16 +100,20 @@ class Progress:
         samples of it before a resume (the throughput counts from there)."""
         self._epoch, self._epochs, self._total = epoch, epochs, total
         self._last_time, self._last_samples = time.perf_counter(), done
-        if self.mode in ("bar", "notebook"):
-            bar: Any = tqdm
-            if self.mode == "notebook":
-                bar = importlib.import_module("tqdm.notebook").tqdm
-            self._bar = bar(batches, total=total, desc=f"epoch {epoch}/{epochs}", leave=False)
-            yield from self._bar
-            self._bar.close()
-            self._bar = None
-        else:
-            yield from batches
+        if self.mode not in ("bar", "notebook"):
+            return iter(batches)  # no generator in between: it would run at every step
+        return self._bar_over(batches)
+
+    def _bar_over(self, batches: Iterable[Any]) -> Iterator[Any]:
+        bar: Any = tqdm
+        if self.mode == "notebook":
+            bar = importlib.import_module("tqdm.notebook").tqdm
+        self._bar = bar(
+            batches, total=self._total, desc=f"epoch {self._epoch}/{self._epochs}", leave=False
+        )
+        yield from self._bar
+        self._bar.close()
+        self._bar = None
 
     def due(self, step: int) -> bool:
         """Whether ``step`` ends a log interval: every ``log_every`` steps and the epoch's

@@ -57,6 +57,9 @@ class OptimizerStep:
         # LR scheduler made later wraps it)
         alone = hands_off and self.precision.plain and len(self.optimizers) == 1
         self._alone = self.optimizers[0] if alone else None
+        checks = self._unscales or self.nan_checker is not None or self.detect_anomaly
+        if self._alone is not None and not checks:
+            self.run = self._run_usual  # type: ignore[method-assign]
 
     def run(self, micro_batches: Sequence[Any], epoch: int, step: int) -> NanEvent | None:
         """Forward and backward of each micro-batch, checks, clipping, the update. Returns
@@ -102,6 +105,37 @@ class OptimizerStep:
                 self.strategy.optimizer_step(precision.apply, optimizer)
             precision.update()
         return _after_updates(self, results, epoch, step)
+
+    def _run_usual(self, micro_batches: Sequence[Any], epoch: int, step: int) -> None:
+        """``run`` for the usual step (one micro-batch, one optimizer that steps by itself,
+        fp32, nothing checked or clipped), in one frame: the same calls in the same order,
+        without the branches and calls that only other steps need."""
+        if len(micro_batches) != 1:  # gradient accumulation
+            OptimizerStep.run(self, micro_batches, epoch, step)
+            return
+        batch = micro_batches[0]
+        if self._moves:
+            batch = to_device(batch, self.device)
+        optimizer: Any = self._alone
+        optimizer.zero_grad()
+        output = self.train_step(batch)
+        loss, step_metrics = (
+            split_step_output(output) if isinstance(output, tuple) else (output, {})
+        )
+        try:
+            loss.backward()
+        except (AttributeError, RuntimeError, TypeError) as exc:
+            bad = contract.loss(loss, exc)
+            if bad is None:
+                raise
+            raise bad from None
+        n = batch_size_of(batch)
+        if self.on_after_backward is not None:
+            self.on_after_backward()
+        optimizer.step()
+        for scheduler in self.schedulers:
+            scheduler.step()
+        self.state.metrics.update({"loss": loss.detach(), **step_metrics}, n)
 
     def _forward_backward(
         self, batch: Any, micro_batches: int
