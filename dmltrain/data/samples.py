@@ -10,8 +10,8 @@ streams the model uses, and never from a stream whose position a resume would lo
   after any resume; in the training process the generators are put back afterwards, so
   the model's stream does not move.
   A dataset known to draw nothing (``TensorDataset``, and ``Subset``/``ConcatDataset``
-  of those) is fetched without seeds: seeding has a cost per sample
-  (``benchmarks/data_pipeline.py`` measures it).
+  of those) is fetched without seeds, and the training sampler yields its plain indices:
+  seeding has a cost per sample (``benchmarks/data_pipeline.py`` measures it).
 - ``iterate`` creates a loader's iterator without moving the global torch generator
   (a DataLoader without a generator of its own draws its workers' base seed from it).
 
@@ -137,8 +137,8 @@ def iterate(loader: Iterable[Any]) -> Iterator[Any]:
 
 
 class ResumableSampler(DistributedSampler):
-    """The training order as ``(epoch, index)`` keys; can start an epoch part-way (after
-    a mid-epoch resume)."""
+    """The training order as ``(epoch, index)`` keys (plain indices for a ``SeededSamples``
+    that draws nothing); can start an epoch part-way (after a mid-epoch resume)."""
 
     start = 0  # samples of this rank's shard already consumed in the current epoch
 
@@ -146,8 +146,12 @@ class ResumableSampler(DistributedSampler):
         super().set_epoch(epoch)
         self.start = 0
 
-    def __iter__(self) -> Iterator[tuple[int, int]]:
+    def __iter__(self) -> Iterator[tuple[int, int] | int]:
         indices = list(super().__iter__())[self.start :]
+        if isinstance(self.dataset, SeededSamples) and not self.dataset.seeded:
+            # its samples draw nothing: the index alone (a key is one more object a
+            # sample, made at the epoch's start and read in its step)
+            return iter(indices)
         return iter([(self.epoch, index) for index in indices])
 
     def __len__(self) -> int:

@@ -94,6 +94,21 @@ def test_resuming_part_way_fetches_the_rest_of_the_epoch():
     assert list(sampler) == keys[4:] and len(sampler) == 6
 
 
+def test_where_nothing_is_drawn_the_sampler_gives_the_same_order_as_plain_indices():
+    orders, loaders = [], []
+    for dataset in (SeededSamples(DATA, 0), SeededSamples(Augmented(DATA), 0)):
+        sampler = ResumableSampler(dataset, num_replicas=2, rank=1, seed=0)
+        sampler.set_epoch(2)
+        sampler.start = 3  # resumed part-way
+        orders.append(list(sampler))
+        loaders.append(DataLoader(dataset, batch_size=4, sampler=sampler))
+    plain, keyed = orders
+    assert all(type(i) is int for i in plain) and len(plain) == len(keyed) == 7
+    assert keyed == [(2, index) for index in plain]
+    got = torch.cat([y for _, y in loaders[0]])  # the labels are the samples' indices
+    assert got.tolist() == plain
+
+
 def test_iterate_leaves_the_global_generator_alone():
     loader = DataLoader(DATA, batch_size=4)  # no generator: its iterator draws a base seed
     torch.manual_seed(1)
