@@ -106,13 +106,12 @@ class OptimizerStep:
             precision.update()
         return _after_updates(self, results, epoch, step)
 
-    def _run_usual(self, micro_batches: Sequence[Any], epoch: int, step: int) -> None:
+    def _run_usual(self, micro_batches: Sequence[Any], epoch: int, step: int) -> NanEvent | None:
         """``run`` for the usual step (one micro-batch, one optimizer that steps by itself,
         fp32, nothing checked or clipped), in one frame: the same calls in the same order,
         without the branches and calls that only other steps need."""
         if len(micro_batches) != 1:  # gradient accumulation
-            OptimizerStep.run(self, micro_batches, epoch, step)
-            return
+            return OptimizerStep.run(self, micro_batches, epoch, step)
         batch = micro_batches[0]
         if self._moves:
             batch = to_device(batch, self.device)
@@ -136,6 +135,7 @@ class OptimizerStep:
         for scheduler in self.schedulers:
             scheduler.step()
         self.state.metrics.update({"loss": loss.detach(), **step_metrics}, n)
+        return None
 
     def _forward_backward(
         self, batch: Any, micro_batches: int
