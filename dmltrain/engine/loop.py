@@ -156,6 +156,7 @@ class TrainingLoop(TrainerHooks):
         run, due = self._step.run, self._progress.due
         save_when_due = self._checkpointer.save_when_due
         clock.restart()
+        calm = 0  # steps after which nothing below clock.step() is due (``_calm``)
         for step, micro_batches in enumerate(
             self._progress.epoch(batches, epoch, loop.epochs, steps, s.metrics.count),
             start=s.step_in_epoch + 1,
@@ -169,6 +170,9 @@ class TrainingLoop(TrainerHooks):
             for call in step_end:  # the built-in features first (EMA first of all)
                 call(self)
             clock.step()
+            if calm:  # every test below would say no at this step
+                calm -= 1
+                continue
             if due(step):  # the log interval, and the epoch's last step
                 self._log_interval(step, epoch)
             within = steps is None or step < steps  # not the epoch's last step
@@ -187,7 +191,24 @@ class TrainingLoop(TrainerHooks):
                 return self._stop_for_preemption()
             if (finished and within) or step == last:  # a budget ends the run in the epoch
                 return Done(self._budget.reason(finished) or "")
+            calm = self._calm(step, steps, last)
         return None
+
+    def _calm(self, step: int, steps: int | None, last: int) -> int:
+        """How many of the steps after ``step`` end with nothing of the step's tail due (no
+        log interval, validation, agreement, checkpoint by steps, budget's last step or
+        epoch's end): the loop skips those tests there, each of which would say no. The
+        agreement schedule counts them as passed now."""
+        s, loop = self._state, self.config.loop
+        left = [self._progress.log_every - step % self._progress.log_every]
+        if steps is not None:
+            left.append(steps - step)
+        if last > step:
+            left.append(last - step)
+        for every in (loop.val_every_steps, self._checkpointer.config.checkpoint_every_steps):
+            if every:
+                left.append(every - s.global_step % every)
+        return self._agreement.skip(min(left) - 1)
 
     def _log_interval(self, step: int, epoch: int) -> None:
         """Every rank's clocks (a collective), then rank 0 shows, records and tracks."""
