@@ -114,7 +114,7 @@ class TrainerHooks(abc.ABC):
         if streams.is_stream(dataset):
             pin = self.device.type == "cuda"
             return streams.loader(dataset, cfg.batch_size, cfg.num_workers, pin)
-        sampler: Sampler[tuple[int, int]] = (
+        sampler: Sampler[tuple[int, int] | int] = (
             self.strategy.train_sampler(dataset, cfg.seed)
             if train
             else self.strategy.val_sampler(dataset)

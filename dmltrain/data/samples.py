@@ -112,9 +112,18 @@ class SeededSamples(Dataset):
 
 
 def keyed(dataset: Dataset, seed: int) -> Dataset:
-    """``dataset`` as the loop's samplers read it: a map-style one in ``SeededSamples``;
-    an ``IterableDataset`` (no sampler) as it is."""
-    return dataset if isinstance(dataset, IterableDataset) else SeededSamples(dataset, seed)
+    """``dataset`` as the loop's samplers read it: a map-style one that may draw random
+    numbers in ``SeededSamples``; one known to draw nothing, or an ``IterableDataset`` (no
+    sampler), as it is (a wrapper would be one more call a batch, for nothing)."""
+    if isinstance(dataset, IterableDataset) or draws_nothing(dataset):
+        return dataset
+    return SeededSamples(dataset, seed)
+
+
+def _keys(dataset: Dataset) -> bool:
+    """Whether samplers of ``dataset`` yield ``(epoch, index)`` keys (it seeds them), or
+    plain indices."""
+    return isinstance(dataset, SeededSamples) and dataset.seeded
 
 
 def _generator_states() -> tuple[Any, ...]:
@@ -137,8 +146,9 @@ def iterate(loader: Iterable[Any]) -> Iterator[Any]:
 
 
 class ResumableSampler(DistributedSampler):
-    """The training order as ``(epoch, index)`` keys (plain indices for a ``SeededSamples``
-    that draws nothing); can start an epoch part-way (after a mid-epoch resume)."""
+    """The training order as ``(epoch, index)`` keys for a ``SeededSamples`` that draws
+    (plain indices for any other dataset); can start an epoch part-way (after a mid-epoch
+    resume)."""
 
     start = 0  # samples of this rank's shard already consumed in the current epoch
 
@@ -148,9 +158,9 @@ class ResumableSampler(DistributedSampler):
 
     def __iter__(self) -> Iterator[tuple[int, int] | int]:
         indices = list(super().__iter__())[self.start :]
-        if isinstance(self.dataset, SeededSamples) and not self.dataset.seeded:
-            # its samples draw nothing: the index alone (a key is one more object a
-            # sample, made at the epoch's start and read in its step)
+        if not _keys(self.dataset):
+            # nothing to seed: the index alone (a key is one more object a sample, made at
+            # the epoch's start and read in its step)
             return iter(indices)
         return iter([(self.epoch, index) for index in indices])
 
@@ -158,8 +168,9 @@ class ResumableSampler(DistributedSampler):
         return self.num_samples - self.start
 
 
-class ShardSampler(Sampler[tuple[int, int]]):
-    """Validation keys: rank r of w takes samples r, r+w, r+2w, ... With ``pad`` every
+class ShardSampler(Sampler[tuple[int, int] | int]):
+    """Validation keys (plain indices as ``ResumableSampler``'s): rank r of w takes samples
+    r, r+w, r+2w, ... With ``pad`` every
     rank gets as many (the first samples repeat, at the end of a shard), for models whose
     forward is collective (FSDP); ``real`` says how many of a shard's samples are not
     padding (``evaluation.real_batches`` leaves the rest out of metrics)."""
@@ -169,8 +180,11 @@ class ShardSampler(Sampler[tuple[int, int]]):
         total = -(-n // world_size) * world_size if pad and n else n
         self.indices = [i % n for i in range(rank, total, world_size)]
         self.real = len(range(rank, n, world_size))  # the first ones; the rest is padding
+        self.keys = _keys(dataset)
 
-    def __iter__(self) -> Iterator[tuple[int, int]]:
+    def __iter__(self) -> Iterator[tuple[int, int] | int]:
+        if not self.keys:
+            return iter(self.indices)
         return iter([(VALIDATION, index) for index in self.indices])
 
     def __len__(self) -> int:

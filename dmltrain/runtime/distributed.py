@@ -132,7 +132,7 @@ class Strategy:
             drop_last=False,
         )
 
-    def val_sampler(self, dataset: Dataset) -> Sampler[tuple[int, int]]:
+    def val_sampler(self, dataset: Dataset) -> Sampler[tuple[int, int] | int]:
         return ShardSampler(dataset, self.info.rank, self.info.world_size)
 
     def eval_model(self, model: nn.Module) -> nn.Module:
@@ -421,7 +421,7 @@ class FSDPStrategy(DDPStrategy):
         finally:
             inner.set_requires_gradient_sync(True)
 
-    def val_sampler(self, dataset: Dataset) -> Sampler[tuple[int, int]]:
+    def val_sampler(self, dataset: Dataset) -> Sampler[tuple[int, int] | int]:
         """Equal shard sizes (FSDP's forward is collective): pads with up to w-1 repeats."""
         return ShardSampler(dataset, self.info.rank, self.info.world_size, pad=True)
 

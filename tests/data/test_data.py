@@ -13,6 +13,7 @@ from dmltrain.data.samples import (
     SeededSamples,
     ShardSampler,
     iterate,
+    keyed,
     sample_seed,
 )
 from tiny import Augmented
@@ -75,18 +76,17 @@ def test_datasets_known_to_draw_nothing_are_fetched_without_seeds():
 
 @pytest.mark.parametrize("workers", [0, 2])
 def test_workers_draw_what_the_training_process_draws(workers):
-    sampler = ResumableSampler(DATA, num_replicas=1, rank=0, seed=0)
-    sampler.set_epoch(1)
-    loader = DataLoader(SeededSamples(Augmented(DATA), 0), batch_size=4, sampler=sampler,
-                        num_workers=workers)  # fmt: skip
     seeded = SeededSamples(Augmented(DATA), 0)
+    sampler = ResumableSampler(seeded, num_replicas=1, rank=0, seed=0)
+    sampler.set_epoch(1)
+    loader = DataLoader(seeded, batch_size=4, sampler=sampler, num_workers=workers)
     expected = [seeded[key][0] for key in sampler]
     got = torch.cat([x for x, _ in loader])
     assert torch.equal(got, torch.stack(expected))
 
 
 def test_resuming_part_way_fetches_the_rest_of_the_epoch():
-    sampler = ResumableSampler(DATA, num_replicas=2, rank=1, seed=0)
+    sampler = ResumableSampler(SeededSamples(Augmented(DATA), 0), num_replicas=2, rank=1, seed=0)
     sampler.set_epoch(2)
     keys = list(sampler)
     assert all(epoch == 2 for epoch, _ in keys) and len(keys) == 10
@@ -94,17 +94,21 @@ def test_resuming_part_way_fetches_the_rest_of_the_epoch():
     assert list(sampler) == keys[4:] and len(sampler) == 6
 
 
-def test_where_nothing_is_drawn_the_sampler_gives_the_same_order_as_plain_indices():
+def test_where_nothing_is_drawn_the_dataset_is_read_as_it_is_in_the_same_order():
+    """A dataset known to draw nothing reaches the DataLoader as it is (no wrapper's call
+    a batch) and its samplers yield plain indices: the order of the keys of one that
+    draws."""
+    assert keyed(DATA, 0) is DATA and type(keyed(Augmented(DATA), 0)) is SeededSamples
     orders, loaders = [], []
-    for dataset in (SeededSamples(DATA, 0), SeededSamples(Augmented(DATA), 0)):
+    for dataset in (keyed(DATA, 0), keyed(Augmented(DATA), 0)):
         sampler = ResumableSampler(dataset, num_replicas=2, rank=1, seed=0)
         sampler.set_epoch(2)
         sampler.start = 3  # resumed part-way
         orders.append(list(sampler))
         loaders.append(DataLoader(dataset, batch_size=4, sampler=sampler))
-    plain, keyed = orders
-    assert all(type(i) is int for i in plain) and len(plain) == len(keyed) == 7
-    assert keyed == [(2, index) for index in plain]
+    plain, keys = orders
+    assert all(type(i) is int for i in plain) and len(plain) == len(keys) == 7
+    assert keys == [(2, index) for index in plain]
     got = torch.cat([y for _, y in loaders[0]])  # the labels are the samples' indices
     assert got.tolist() == plain
 
@@ -123,8 +127,8 @@ def test_iterate_leaves_the_global_generator_alone():
 def test_padded_shards_match_distributed_samplers(n):
     data = TensorDataset(torch.zeros(n))
     for rank in range(3):
-        ours = [index for _, index in ShardSampler(data, rank, 3, pad=True)]
+        ours = list(ShardSampler(data, rank, 3, pad=True))  # plain indices: nothing drawn
         theirs = list(DistributedSampler(data, num_replicas=3, rank=rank, shuffle=False))
         assert ours == theirs
-    unpadded = [i for r in range(3) for _, i in ShardSampler(data, r, 3)]
+    unpadded = [i for r in range(3) for i in ShardSampler(data, r, 3)]
     assert sorted(unpadded) == list(range(n))
