@@ -169,11 +169,11 @@ class ResumableSampler(DistributedSampler):
 
 
 class ShardSampler(Sampler[tuple[int, int] | int]):
-    """Validation keys (plain indices as ``ResumableSampler``'s): rank r of w takes samples
-    r, r+w, r+2w, ... With ``pad`` every
-    rank gets as many (the first samples repeat, at the end of a shard), for models whose
-    forward is collective (FSDP); ``real`` says how many of a shard's samples are not
-    padding (``evaluation.real_batches`` leaves the rest out of metrics)."""
+    """Validation keys (plain indices where ``ResumableSampler`` gives them): rank r of w
+    takes samples r, r+w, r+2w, ... With ``pad`` every rank gets as many (the first samples
+    repeat, at the end of a shard), for models whose forward is collective (FSDP); ``real``
+    says how many of a shard's samples are not padding (``evaluation.real_batches`` leaves
+    the rest out of metrics)."""
 
     def __init__(self, dataset: Dataset, rank: int, world_size: int, pad: bool = False) -> None:
         n = len(dataset)  # type: ignore[arg-type]

@@ -191,23 +191,22 @@ class TrainingLoop(TrainerHooks):
                 return self._stop_for_preemption()
             if (finished and within) or step == last:  # a budget ends the run in the epoch
                 return Done(self._budget.reason(finished) or "")
-            calm = self._calm(step, steps, last)
+            calm = self._calm(step, last)
         return None
 
-    def _calm(self, step: int, steps: int | None, last: int) -> int:
+    def _calm(self, step: int, last: int) -> int:
         """How many of the steps after ``step`` end with nothing of the step's tail due (no
         log interval, validation, agreement, checkpoint by steps, budget's last step or
         epoch's end): the loop skips those tests there, each of which would say no. The
         agreement schedule counts them as passed now."""
-        s, loop = self._state, self.config.loop
-        left = [self._progress.log_every - step % self._progress.log_every]
-        if steps is not None:
-            left.append(steps - step)
+        left = [self._progress.steps_to_due(step)]  # the log interval, the epoch's end
+        every, save = self.config.loop.val_every_steps, self._checkpointer.steps_to_save()
+        if every:
+            left.append(every - self._state.global_step % every)
+        if save is not None:
+            left.append(save)
         if last > step:
             left.append(last - step)
-        for every in (loop.val_every_steps, self._checkpointer.config.checkpoint_every_steps):
-            if every:
-                left.append(every - s.global_step % every)
         return self._agreement.skip(min(left) - 1)
 
     def _log_interval(self, step: int, epoch: int) -> None:

@@ -45,7 +45,7 @@ def fit(tmp_path, name, monkeypatch, calm):
     monkeypatch.setattr(AgreementSchedule, "proposal", lambda schedule: 6)
     monkeypatch.setattr(AgreementSchedule, "agreed", agreed)
     if not calm:
-        monkeypatch.setattr(TrainingLoop, "_calm", lambda loop, step, steps, last: 0)
+        monkeypatch.setattr(TrainingLoop, "_calm", lambda loop, step, last: 0)
     trainer = Watched(
         TrainConfig(
             run_dir=str(tmp_path / name),
