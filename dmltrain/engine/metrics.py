@@ -12,6 +12,7 @@ from dmltrain.errors import UserError
 
 Values = Mapping[str, Tensor | float]
 _TENSORS = {Tensor}
+_SECOND = itemgetter(1)  # a kept step's sample count
 
 
 class MetricAccumulator:
@@ -34,15 +35,23 @@ class MetricAccumulator:
         self.keep = keep
         self._sums: dict[str, Tensor | float] = {}
         self._kept: list[tuple[Values, int]] = []
-        self._steps = 0
-        self._count = 0
+        self._steps = 0  # summed into ``_sums``; the kept ones come on top
+        self._count = 0  # samples summed into ``_sums``
+        self._sum_at = 1  # kept steps that are summed: the first step at once, then ``keep``
 
     def update(self, metrics: Values, n: int) -> None:
-        self._kept.append((metrics, n))
-        self._count += n
-        self._steps += 1
-        if self._steps == 1 or len(self._kept) >= self.keep:
-            self._sums, self._kept = self._totals(), []
+        # a step's whole cost: the counts are added up when the kept steps are summed
+        kept = self._kept
+        kept.append((metrics, n))
+        if len(kept) >= self._sum_at:
+            self._sum_kept()
+
+    def _sum_kept(self) -> None:
+        kept = self._kept
+        self._sums, self._kept = self._totals(), []
+        self._steps += len(kept)
+        self._count += sum(map(_SECOND, kept))
+        self._sum_at = self.keep
 
     def _totals(self) -> dict[str, Tensor | float]:
         """The running totals with the kept steps added (read only: reading the metrics
@@ -113,23 +122,31 @@ class MetricAccumulator:
     def state_dict(self) -> dict:
         # copies: the totals go on growing after a checkpoint took them
         sums, kept = snapshot(self._sums), snapshot(self._kept)
-        return {"sums": sums, "kept": kept, "steps": self._steps, "count": self._count}
+        return {"sums": sums, "kept": kept, "steps": self.steps, "count": self.count}
 
     def load_state_dict(self, state: dict) -> None:
         self._sums = to_device(state["sums"], self.device)
         self._kept = to_device(state.get("kept", []), self.device)
-        self._steps = int(state.get("steps", 1))  # older checkpoints kept nothing unsummed
-        self._count = int(state["count"])
+        steps = int(state.get("steps", 1))  # older checkpoints kept nothing unsummed
+        self._steps = steps - len(self._kept)
+        self._count = int(state["count"]) - sum(map(_SECOND, self._kept))
+        self._sum_at = self.keep if steps else 1
 
     @property
     def count(self) -> int:
-        return self._count
+        """Samples of the steps so far."""
+        return self._count + sum(map(_SECOND, self._kept))
+
+    @property
+    def steps(self) -> int:
+        """Steps so far."""
+        return self._steps + len(self._kept)
 
     def compute(self, reduce: Callable[[Tensor], Tensor] | None = None) -> dict[str, float]:
         sums = self._totals()
         names = list(sums)  # insertion order: the order the step returned them
         values = [torch.as_tensor(sums[n], device=self.device).float() for n in names]
-        count = torch.tensor(float(self._count), device=self.device)
+        count = torch.tensor(float(self.count), device=self.device)
         packed = torch.stack([*values, count])
         if reduce is not None:
             packed = reduce(packed)

@@ -21,6 +21,8 @@ from dmltrain.engine.state import TrainState
 from dmltrain.errors import UserError
 from dmltrain.runtime.distributed import Strategy
 
+_SEQUENCES = (tuple, list)
+
 
 @dataclass
 class OptimizerStep:
@@ -110,31 +112,37 @@ class OptimizerStep:
         """``run`` for the usual step (one micro-batch, one optimizer that steps by itself,
         fp32, nothing checked or clipped), in one frame: the same calls in the same order,
         without the branches and calls that only other steps need."""
-        if len(micro_batches) != 1:  # gradient accumulation
+        try:
+            (batch,) = micro_batches
+        except ValueError:  # several: gradient accumulation
             return OptimizerStep.run(self, micro_batches, epoch, step)
-        batch = micro_batches[0]
         if self._moves:
             batch = to_device(batch, self.device)
         optimizer: Any = self._alone
         optimizer.zero_grad()
         output = self.train_step(batch)
-        loss, step_metrics = (
-            split_step_output(output) if isinstance(output, tuple) else (output, {})
-        )
+        step_metrics = None
+        if isinstance(output, tuple):
+            output, step_metrics = split_step_output(output)
         try:
-            loss.backward()
+            output.backward()
         except (AttributeError, RuntimeError, TypeError) as exc:
-            bad = contract.loss(loss, exc)
+            bad = contract.loss(output, exc)
             if bad is None:
                 raise
             raise bad from None
-        n = batch_size_of(batch)
+        # batch_size_of's answer for the usual batch, a tuple or list led by a tensor
+        first = batch[0] if type(batch) in _SEQUENCES and batch else None
+        n = first.shape[0] if type(first) is Tensor else batch_size_of(batch)
         if self.on_after_backward is not None:
             self.on_after_backward()
         optimizer.step()
         for scheduler in self.schedulers:
             scheduler.step()
-        self.state.metrics.update({"loss": loss.detach(), **step_metrics}, n)
+        values = {"loss": output.detach()}
+        if step_metrics:
+            values.update(step_metrics)
+        self.state.metrics.update(values, n)
         return None
 
     def _forward_backward(

@@ -26,10 +26,10 @@ the others by ``--straggler-factor``. Rank 0 then
 
 import csv
 import statistics
-import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from time import perf_counter
 from typing import Any
 
 import torch
@@ -102,9 +102,9 @@ class StepClock:
 
     def restart(self) -> None:
         """A new interval starts now (after validation, at an epoch's start)."""
-        self._started = self.last_end = time.perf_counter()
+        self._started = self.last_end = perf_counter()
         self._wait = self._compute = 0.0
-        self._steps = 0
+        self._steps_before = self.steps_done  # steps of the interval: steps_done since
         self._events = []
 
     def batches(self, batches: Iterable[Any]) -> Iterable[Any]:
@@ -112,33 +112,38 @@ class StepClock:
         return self._timed(batches) if self.timing else batches
 
     def _timed(self, batches: Iterable[Any]) -> Iterator[Any]:
-        iterator, clock = iter(batches), time.perf_counter
-        while True:
-            began = clock()
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                return
-            self._wait += clock() - began
+        began = perf_counter()
+        for batch in batches:
+            self._wait += perf_counter() - began
             yield batch
+            began = perf_counter()
 
     def timed(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """``fn`` (the experiment's ``train_step``), timed."""
         if not self.timing:
             return fn
-        clock = time.perf_counter
+        if self.cuda:
+            return self._timed_on_gpu(fn)
 
         def call(batch: Any) -> Any:
-            self.inside_since = began = clock()
-            if self.cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
-                start.record()
-                result = fn(batch)
-                end.record()
-                self._events.append((start, end))
-            else:
-                result = fn(batch)
-                self._compute += clock() - began
+            self.inside_since = began = perf_counter()
+            result = fn(batch)
+            self._compute += perf_counter() - began
+            self.inside_since = None
+            return result
+
+        return call
+
+    def _timed_on_gpu(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """``fn`` between CUDA events, read at the log interval (the host only queues)."""
+
+        def call(batch: Any) -> Any:
+            self.inside_since = perf_counter()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)
+            start.record()
+            result = fn(batch)
+            end.record()
+            self._events.append((start, end))
             self.inside_since = None
             return result
 
@@ -146,11 +151,10 @@ class StepClock:
 
     def step(self) -> None:
         """A step ended."""
-        now = time.perf_counter()
+        now = perf_counter()
         took, self.last_end = now - self.last_end, now
         if took > self.slowest:
             self.slowest = took
-        self._steps += 1
         self.steps_done += 1
 
     def read(self) -> tuple[int, float, float, float]:
@@ -158,7 +162,8 @@ class StepClock:
         if self._events:  # the last one done means all are: one sync, at the interval
             self._events[-1][1].synchronize()
             self._compute = sum(a.elapsed_time(b) for a, b in self._events) / 1e3
-        read = (self._steps, time.perf_counter() - self._started, self._wait, self._compute)
+        steps = self.steps_done - self._steps_before
+        read = (steps, perf_counter() - self._started, self._wait, self._compute)
         self.restart()
         return read
 

@@ -132,6 +132,34 @@ def test_a_resumed_accumulator_adds_bit_for_bit_like_one_never_interrupted(cut):
     assert run(cut=cut) == run(read_every=37) == run()
 
 
+@pytest.mark.parametrize("cut", [0, 1, 2, 7, 8, 9, 17])
+def test_steps_and_samples_count_the_same_after_a_resume(cut):
+    """The steps and samples of the kept steps are counted when they are summed; the
+    state says the whole counts at any step, and a resumed accumulator goes on from them
+    (summing its kept steps at the same steps as one never interrupted)."""
+    whole, resumed = MetricAccumulator("cpu", keep=8), MetricAccumulator("cpu", keep=8)
+    for i in range(20):
+        if i == cut:
+            state = resumed.state_dict()
+            assert (state["steps"], state["count"]) == (i, 3 * i)
+            resumed = MetricAccumulator("cpu", keep=8)
+            resumed.load_state_dict(state)
+        for acc in (whole, resumed):
+            acc.update({"loss": torch.tensor(float(i))}, 3)
+        assert whole.count == resumed.count == 3 * (i + 1)
+        assert whole.steps == resumed.steps == i + 1
+        assert len(whole._kept) == len(resumed._kept) == (i % 8 if i else 0)
+
+
+def test_a_state_from_before_the_kept_steps_resumes():
+    """Checkpoints of older versions summed every step and saved no ``kept`` or ``steps``."""
+    acc = MetricAccumulator("cpu", keep=8)
+    acc.load_state_dict({"sums": {"loss": torch.tensor(6.0)}, "count": 3})
+    acc.update({"loss": torch.tensor(4.0)}, 1)
+    assert (acc.count, acc.steps, len(acc._kept)) == (4, 2, 1)
+    assert acc.compute() == {"loss": 2.5}
+
+
 @pytest.mark.parametrize("seed", [2, 4, 9])
 def test_the_usual_steps_sum_bit_for_bit_as_the_general_case(seed):
     """Steps with the same metrics in the same order, one batch size and plain tensors

@@ -44,3 +44,61 @@ def test_the_usual_step_takes_the_general_steps_bit_for_bit(tmp_path):
     assert list(a) == list(b)
     for key in a:
         assert torch.equal(a[key], b[key]), key
+
+
+def test_the_usual_step_counts_each_batch_as_batch_size_of_does():
+    """The usual step reads the sample count of a tuple or list led by a tensor itself,
+    and hands every other batch to ``batch_size_of``: the same count for each kind."""
+    from collections import namedtuple
+
+    from dmltrain.config import DistConfig
+    from dmltrain.engine.batches import batch_size_of
+    from dmltrain.engine.precision import Precision
+    from dmltrain.engine.state import TrainState
+    from dmltrain.runtime.distributed import Strategy
+    from dmltrain.runtime.launch import detect
+
+    cpu = torch.device("cpu")
+    model = torch.nn.Linear(3, 1)
+
+    def first_tensor(batch):
+        if isinstance(batch, torch.Tensor):
+            return batch
+        values = batch.values() if isinstance(batch, dict) else batch
+        return next(first_tensor(v) for v in values if not isinstance(v, str))
+
+    def train_step(batch):
+        return model(first_tensor(batch)).sum()
+
+    pair = namedtuple("pair", "x y")
+    x5, x2 = torch.ones(5, 3), torch.ones(2, 3)
+    batches = [
+        (x5, torch.ones(5)),
+        [x2],
+        {"x": x5, "y": x2},
+        x2,
+        ([x5], x2),
+        ("tag", x2),
+        pair(x5, x2),
+        (torch.nn.Parameter(x2),),
+    ]
+    for batch in batches:
+        state = TrainState(cpu)
+        step = OptimizerStep(
+            train_step=train_step,
+            on_after_backward=None,
+            model=model,
+            optimizers=(torch.optim.SGD(model.parameters(), lr=0.1),),
+            schedulers=(),
+            precision=Precision("fp32", cpu),
+            strategy=Strategy(detect("single", 1), DistConfig()),
+            state=state,
+            device=cpu,
+            grad_clip=0.0,
+            detect_anomaly=False,
+            nan_checker=None,
+            on_nan=lambda event: event,
+        )
+        assert step.run.__func__ is OptimizerStep._run_usual
+        step.run((batch,), 1, 1)
+        assert state.metrics.count == batch_size_of(batch), batch
