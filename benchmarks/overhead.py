@@ -15,10 +15,12 @@ Time: all contenders run in one process, taking turns (``common.rotate``: a b c 
 c ... until each has done its timed steps), because fresh processes running the very same
 loop on these shared machines differ by up to 1.5x for their whole life. That is repeated
 in a few fresh processes, the order of the turns shifted each time, and the median of each
-process's ratio to the plain loop is reported with its range. ``plain-twin`` is the plain
-loop once more: how far two identical contenders land apart is the resolution of the
-table. Peak RSS (and peak CUDA memory on a GPU): each contender alone in a fresh process.
-A peer that is not installed is reported as such.
+process's ratio to the plain loop is reported with its range. On the CPU the same is
+reported for each contender's fast steps (its 10th percentile step,
+``common.Clocked.fast_step_time``), which a slow mode of the shared cores does not move.
+``plain-twin`` is the plain loop once more: how far two identical contenders land apart is
+the resolution of the table. Peak RSS (and peak CUDA memory on a GPU): each contender
+alone in a fresh process. A peer that is not installed is reported as such.
 """
 
 import argparse
@@ -221,6 +223,7 @@ def worker(args: argparse.Namespace) -> None:
         runs = {n: functools.partial(TRAIN[n], rotation_args(args, n)) for n in names}
         models = rotate(runs)
         out = {n: models[n].step_time for n in names}  # type: ignore[attr-defined]
+        out.update({f"{n} fast": models[n].fast_step_time for n in names})  # type: ignore[attr-defined]
     else:
         model = TRAIN[args.worker](args)
         out = {
@@ -292,11 +295,16 @@ def measure(model: str, plan: "Plan", device: str) -> dict:
             table[name] = None
             continue
         ratios = [r[name] / r["plain"] for r in rotations]
+        fast = [r[f"{name} fast"] / r["plain fast"] for r in rotations]
         table[name] = {
             "step_ms": 1000 * median(rotations, name),
             "ratio": statistics.median(ratios),
             "low": min(ratios),
             "high": max(ratios),
+            "fast_ms": 1000 * median(rotations, f"{name} fast"),
+            "fast_ratio": statistics.median(fast),
+            "fast_low": min(fast),
+            "fast_high": max(fast),
             "rss": alone.get(name, {}).get("peak_rss_mib"),
             "cuda": alone.get(name, {}).get("peak_cuda_mib"),
         }
@@ -310,21 +318,24 @@ def markdown(model: str, table: dict, plan: "Plan", device: str) -> str:
         f"overhead: {model}, batch 64, device {device}; {plan.steps} timed steps each in turns "
         f"of {plan.block}, in {plan.processes} fresh process(es); median and range of the "
         "processes' ratios; peak memory alone in a fresh process"
-        + ("" if plan.memory else " (not measured in quick mode: -)"),
+        + ("" if plan.memory else " (not measured in quick mode: -)")
+        + ("" if cuda else "; fast steps: each contender's 10th percentile step"),
         "| contender | ms per step | vs plain loop | range | extra us per step | peak RSS (MiB) |"
-        + (" peak CUDA (MiB) |" if cuda else ""),
-        "|---|---|---|---|---|---|" + ("---|" if cuda else ""),
+        + (" peak CUDA (MiB) |" if cuda else " fast steps: extra us | range (us) |"),
+        "|---|---|---|---|---|---|" + ("---|" if cuda else "---|---|"),
     ]
+    fast_ms = table["plain"]["fast_ms"]
     for name, row in table.items():
         if row is None:
-            lines.append(f"| {name} | not installed | | | | |" + (" |" if cuda else ""))
+            lines.append(f"| {name} | not installed | | | | |" + (" |" if cuda else " | |"))
             continue
         extra = 1000 * (row["ratio"] - 1) * plain_ms  # the median ratio, in us
         rss, gpu = (f"{row[k]:.0f}" if row[k] is not None else "-" for k in ("rss", "cuda"))
+        fast = [1000 * (row[k] - 1) * fast_ms for k in ("fast_ratio", "fast_low", "fast_high")]
         lines.append(
             f"| {name} | {row['step_ms']:.3f} | {row['ratio']:.3f}x | "
             f"{row['low']:.3f}-{row['high']:.3f} | {extra:+.0f} | {rss} |"
-            + (f" {gpu} |" if cuda else "")
+            + (f" {gpu} |" if cuda else f" {fast[0]:+.0f} | {fast[1]:+.0f} to {fast[2]:+.0f} |")
         )
     return "\n".join(lines)
 
@@ -340,9 +351,10 @@ class Plan(NamedTuple):
 # Turns of one step where a step is long (every step of a contender lies between steps of
 # the others, so all see the machine's moments alike); of 50 for the 1 ms tiny step, where
 # a step right after another contender's runs with cold caches. On a GPU turns are of at
-# least 20 steps: the clock syncs at every turn.
+# least 20 steps: the clock syncs at every turn. The tiny model's figure is a few us, so
+# it takes more processes: each one lays its contenders out in memory its own way.
 FULL = {
-    "tiny": Plan(600, 20, 50, 5),
+    "tiny": Plan(600, 20, 50, 10),
     "cnn": Plan(120, 10, 1, 5),
     "mlp": Plan(24, 3, 1, 3),
 }
