@@ -120,7 +120,8 @@ class Clocked(nn.Module):
         """On the CPU the 10th percentile step (on a GPU ``step_time``). A small model's
         steps on shared cores fall into a fast and a slow mode whose mixture changes from
         moment to moment, and a median moves with the mixture; work that a step adds shows
-        in both modes, and the fast mode holds every contender's lowest tenth."""
+        in both modes, and the lowest tenth is in the fast one as long as a tenth of the
+        contender's steps are."""
         if self.cuda:
             return self.step_time
         steps = sorted(self._timed_steps())

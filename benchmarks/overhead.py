@@ -17,7 +17,7 @@ loop on these shared machines differ by up to 1.5x for their whole life. That is
 in a few fresh processes, the order of the turns shifted each time, and the median of each
 process's ratio to the plain loop is reported with its range. On the CPU the same is
 reported for each contender's fast steps (its 10th percentile step,
-``common.Clocked.fast_step_time``), which a slow mode of the shared cores does not move.
+``common.Clocked.fast_step_time``), which the share of slow steps moves less.
 ``plain-twin`` is the plain loop once more: how far two identical contenders land apart is
 the resolution of the table. Peak RSS (and peak CUDA memory on a GPU): each contender
 alone in a fresh process. A peer that is not installed is reported as such.
@@ -352,7 +352,7 @@ class Plan(NamedTuple):
 # the others, so all see the machine's moments alike); of 50 for the 1 ms tiny step, where
 # a step right after another contender's runs with cold caches. On a GPU turns are of at
 # least 20 steps: the clock syncs at every turn. The tiny model's figure is a few us, so
-# it takes more processes: each one lays its contenders out in memory its own way.
+# it takes more processes: identical contenders of one process land tens of us apart.
 FULL = {
     "tiny": Plan(600, 20, 50, 10),
     "cnn": Plan(120, 10, 1, 5),
