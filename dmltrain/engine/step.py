@@ -120,14 +120,14 @@ class OptimizerStep:
             batch = to_device(batch, self.device)
         optimizer: Any = self._alone
         optimizer.zero_grad()
-        output = self.train_step(batch)
+        loss = self.train_step(batch)  # or (loss, metrics)
         step_metrics = None
-        if isinstance(output, tuple):
-            output, step_metrics = split_step_output(output)
+        if isinstance(loss, tuple):
+            loss, step_metrics = split_step_output(loss)
         try:
-            output.backward()
+            loss.backward()
         except (AttributeError, RuntimeError, TypeError) as exc:
-            bad = contract.loss(output, exc)
+            bad = contract.loss(loss, exc)
             if bad is None:
                 raise
             raise bad from None
@@ -139,7 +139,7 @@ class OptimizerStep:
         optimizer.step()
         for scheduler in self.schedulers:
             scheduler.step()
-        values = {"loss": output.detach()}
+        values = {"loss": loss.detach()}
         if step_metrics:
             values.update(step_metrics)
         self.state.metrics.update(values, n)

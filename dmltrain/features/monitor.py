@@ -104,7 +104,7 @@ class StepClock:
         """A new interval starts now (after validation, at an epoch's start)."""
         self._started = self.last_end = perf_counter()
         self._wait = self._compute = 0.0
-        self._steps_before = self.steps_done  # steps of the interval: steps_done since
+        self._steps_before = self.steps_done  # the interval's steps: steps_done past this
         self._events = []
 
     def batches(self, batches: Iterable[Any]) -> Iterable[Any]:
