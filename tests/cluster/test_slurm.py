@@ -311,19 +311,20 @@ def test_epochs_per_job_chain_through_requeue(slurm, tiny_reference, tmp_path):
 
 def test_time_limit_stops_the_job_in_time_and_it_resumes(slurm, tiny_reference, tmp_path):
     """No signal at all: dmltrain reads the job's end time from Slurm and stops
-    --stop-before-end-minutes before it: here 156 s of a 3-minute job, so a run stops about
-    24 s after it starts, while training alone needs 27 s. USR1 would come only a second
-    before the limit. (A run whose setup outlasts the 24 s takes the short-job deadline, a
-    quarter of the job before its end, and runs on: the margin is wide so that a loaded
-    machine's first start-up stays inside it; a restart may not.)"""
+    --stop-before-end-minutes before it: here 75 s of a 2-minute job, so a run stops 45 s
+    after the job starts, while training alone needs at least 49 s (18 steps of 2.7 s a
+    rank). USR1 would come only a second before the limit. A run whose start-up outlasts
+    those 45 s (a loaded machine's) takes the short job's deadline instead, a quarter of the
+    job before its end (90 s after its start); the sleep is long enough for that one to stop
+    it too, so the job stops by its time limit whatever its start-up took."""
     job = sbatch(
         tmp_path,
         *TINY,
         "--step-sleep",
-        "1.5",
+        "2.7",
         "--stop-before-end-minutes",
-        "2.6",
-        options=("--time", "3", "--signal", "USR1@1"),
+        "1.25",
+        options=("--time", "2", "--signal", "USR1@1"),
     )
     release_requeues_until_done(job, tmp_path)
     log = (tmp_path / "job.out").read_text()
