@@ -27,7 +27,7 @@ python3 -m pip install --quiet --disable-pip-version-check -e ".[dev]" || exit 1
 # changes how an idle thread waits, not a result (CONTRIBUTING.md).
 export OMP_WAIT_POLICY=PASSIVE
 if [ "$quick" = 1 ]; then
-    python3 -m pytest -p no:benchmark -m quick -n 2 --dist loadfile --durations=15 "$@"
+    python3 -m pytest -p no:benchmark -m quick -n 2 --dist loadfile --durations=60 "$@"
     status=$?
 else
     need_apt=0
@@ -55,7 +55,7 @@ else
     # A module's tests share a worker (its module-scoped runs are made once); the longest
     # modules start first (tests/conftest.py). Workers: CONTRIBUTING.md.
     python3 -m pytest -p no:benchmark -n "${DMLTRAIN_TEST_WORKERS:-4}" --dist loadfile \
-        --no-loadscope-reorder --durations=15 "$@"
+        --no-loadscope-reorder --durations=60 "$@"
     status=$?
 fi
 if [ "$status" -eq 5 ]; then
