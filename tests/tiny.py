@@ -14,7 +14,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils.data import DataLoader, Dataset, IterableDataset, TensorDataset, get_worker_info
 
 from dmltrain import BaseTrainer, Callback, Tracker, register_experiment
@@ -440,8 +439,7 @@ class TinyTrainer(BaseTrainer):
 
     def on_train_start(self):
         if self.opts.blocks and self.global_step == 0:
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            weights = get_model_state_dict(self.model, options=options)
+            weights = self.whole_weights()
             if self.dist.is_main:
                 torch.save(weights, self.run_dir / "initial_weights.pt")
         if self.opts.own_names:  # names a user may pick that the engine used to own
@@ -598,6 +596,20 @@ class TinyTrainer(BaseTrainer):
         if self._injecting("gradient"):  # after DDP's all-reduce: this rank alone sees it
             self.strategy.eval_model(self.model)[-1].weight.grad[0, 0] = float("inf")
 
+    def whole_weights(self, every_rank: bool = False) -> dict:
+        """The model's whole weights on the CPU under their experiment names (on rank 0
+        alone for a sharded model unless every_rank). torch's state-dict API is imported
+        only for a sharded model: importing it costs a second of CPU a process, and most
+        of the suite's processes run this experiment."""
+        if not any(type(p).__name__ == "DTensor" for p in self.model.parameters()):
+            return {
+                k: v.detach().cpu().clone() for k, v in self.unwrapped_model.state_dict().items()
+            }
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=not every_rank)
+        return {k: v.cpu() for k, v in get_model_state_dict(self.model, options=options).items()}
+
     def on_train_end(self):
         if self.opts.blocks:
             forwards = sum(
@@ -609,13 +621,11 @@ class TinyTrainer(BaseTrainer):
                     "budget": self.budget, "progress": self.progress}  # fmt: skip
             (self.run_dir / f"own_names.{self.dist.rank}.json").write_text(json.dumps(mine))
         if self.opts.save_weights or self.opts.rank_weights:
-            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-            weights = get_model_state_dict(self.model, options=options)
+            weights = self.whole_weights()
             if self.dist.is_main and self.opts.save_weights:
                 torch.save(weights, self.run_dir / "final_weights.pt")
             if self.opts.rank_weights:  # cpu_offload gives rank 0 alone the weights
-                weights = get_model_state_dict(self.model, options=StateDictOptions(True))
-                weights = {k: v.cpu() for k, v in weights.items()}
+                weights = self.whole_weights(every_rank=True)
                 torch.save(weights, self.run_dir / f"final_weights.{self.dist.rank}.pt")
 
 
