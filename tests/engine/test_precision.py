@@ -180,12 +180,14 @@ def test_compile_composes_with_precision_and_ddp(tmp_path):
 
 @pytest.mark.slow
 def test_mnist_bf16_and_fp16_reach_fp32_accuracy(tmp_path):
-    """Same steps, same seed: mixed precision within 1 accuracy point of fp32. bf16 over
-    one epoch (about 91% here); fp16 over its first 20 steps (about 82%), against fp32's
-    first 20: CPU autocast runs the CNN's fp16 kernels about 25 times slower than fp32."""
+    """Same steps, same seed: mixed precision within 1 accuracy point of fp32 over the
+    first 20 steps (about 82% here). Not a whole epoch: CPU autocast runs the CNN's bf16
+    and fp16 kernels many times slower than fp32 (test_mnist trains to the accuracy
+    target in fp32)."""
     accuracy = {}
-    for kind, steps in (("fp32", 0), ("bf16", 0), ("fp32", 20), ("fp16", 20)):
-        run = tmp_path / f"{kind}-{steps}"
+    steps = 20
+    for kind in ("fp32", "bf16", "fp16"):
+        run = tmp_path / kind
         done = run_cli(
             "mnist",
             "--epochs",
@@ -205,11 +207,11 @@ def test_mnist_bf16_and_fp16_reach_fp32_accuracy(tmp_path):
         )
         assert done.returncode == 0, done.stderr[-2000:]
         rows = read_training_log(run / "training_log.csv")
-        assert rows[-1]["step"] == (steps or 63), rows[-1]
-        accuracy[kind, steps] = rows[-1]["val_acc"]
-    assert accuracy["fp32", 0] > 0.9 and accuracy["fp32", 20] > 0.75, accuracy
-    assert abs(accuracy["bf16", 0] - accuracy["fp32", 0]) <= 0.01, accuracy
-    assert abs(accuracy["fp16", 20] - accuracy["fp32", 20]) <= 0.01, accuracy
+        assert rows[-1]["step"] == steps, rows[-1]
+        accuracy[kind] = rows[-1]["val_acc"]
+    assert accuracy["fp32"] > 0.75, accuracy
+    assert abs(accuracy["bf16"] - accuracy["fp32"]) <= 0.01, accuracy
+    assert abs(accuracy["fp16"] - accuracy["fp32"]) <= 0.01, accuracy
 
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
