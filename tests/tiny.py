@@ -598,10 +598,10 @@ class TinyTrainer(BaseTrainer):
 
     def whole_weights(self, every_rank: bool = False) -> dict:
         """The model's whole weights on the CPU under their experiment names (on rank 0
-        alone for a sharded model unless every_rank). torch's state-dict API is imported
-        only for a sharded model: importing it costs a second of CPU a process, and most
-        of the suite's processes run this experiment."""
-        if not any(type(p).__name__ == "DTensor" for p in self.model.parameters()):
+        alone for a sharded model unless every_rank), told apart as the checkpointer tells
+        them. torch's state-dict API is imported only for a sharded model: importing it is
+        much of a process's start-up, and most of the suite's processes run this experiment."""
+        if self.strategy.name != "fsdp":  # FSDP and HSDP
             return {
                 k: v.detach().cpu().clone() for k, v in self.unwrapped_model.state_dict().items()
             }
