@@ -6,6 +6,8 @@ Imported lazily where torch is not yet loaded (the ``dmltrain`` command starts w
 
 import atexit
 import contextlib
+import os
+import signal
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -93,6 +95,48 @@ def run_exit_handlers() -> Any:
     """The exit handlers without the interpreter's teardown (``atexit._run_exitfuncs``):
     no public call runs them alone; a handler's error is printed and the others run."""
     return atexit._run_exitfuncs()
+
+
+def start_forkserver(preload: Sequence[str], blocked: Sequence[int]) -> None:
+    """Start multiprocessing's fork server with ``preload`` imported, the signals
+    ``blocked`` held in it and in the workers it forks (they unblock them themselves).
+    A preemption signal sent to the whole process group would otherwise end the server,
+    and with it every worker's exit status (the parent then reads 255 for each).
+    ``set_forkserver_preload`` and ``ensure_running`` are public; the server they start
+    is multiprocessing's one per process."""
+    from multiprocessing import forkserver, resource_tracker
+
+    forkserver.set_forkserver_preload(list(preload))
+    # Before the mask: starting the resource tracker unblocks SIGINT and SIGTERM after it.
+    resource_tracker.ensure_running()
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, blocked)
+    try:
+        forkserver.ensure_running()  # fork and exec: the new server keeps this mask
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+
+
+def stop_forkserver() -> None:
+    """End the fork server (``_stop``, what Python's own tests call: no public call ends
+    it), so the next workers come from one started with the environment of that time,
+    not this one's."""
+    from multiprocessing import forkserver
+
+    forkserver._forkserver._stop()  # type: ignore[attr-defined]
+
+
+def release_forkserver() -> None:
+    """In a worker of the fork server: let go of the server's "alive" pipe
+    (``_forkserver_alive_fd``), which every worker is handed. Held, it keeps the server,
+    this worker's parent, running after the process that started it died, and the
+    worker's parent-death signal (torch's ``PR_SET_PDEATHSIG``) never comes."""
+    from multiprocessing import forkserver
+
+    server: Any = forkserver._forkserver
+    if server._forkserver_alive_fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
 
 
 def stop_loader_workers(loader: Any) -> None:

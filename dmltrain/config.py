@@ -249,6 +249,15 @@ class DistConfig:
     nprocs: int = field(
         default=1, metadata={"help": "start N local worker processes (no external launcher)"}
     )
+    start_method: Literal["auto", "forkserver", "spawn"] = field(
+        default="auto",
+        metadata={
+            "help": "how --nprocs starts its workers: forkserver (one server process "
+            "imports torch once, then forks each worker), spawn (each worker a fresh "
+            "interpreter that imports torch itself); auto: forkserver on Linux where "
+            "TMPDIR is short enough a path for its socket, else spawn"
+        },
+    )
     threads: int = field(
         default=0,
         metadata={

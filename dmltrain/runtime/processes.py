@@ -10,6 +10,7 @@ import multiprocessing.connection
 import os
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any, NoReturn
@@ -25,6 +26,13 @@ from dmltrain.errors import (
 )
 from dmltrain.runtime.launch import DistInfo, spawned
 from dmltrain.runtime.preemption import PreemptionWatcher
+
+# What every --nprocs worker imports before it trains, imported once by the fork server
+# that forks them: torch, and torch._dynamo, which torch's first optimizer imports
+# (torch/_compile.py). Nothing of the experiment's: its module may touch CUDA when
+# imported, which a forked worker could then not use, and in a notebook it may have
+# changed since the last run.
+FORKSERVER_PRELOAD = ("torch", "torch._dynamo")
 
 # Once one worker left with one of these statuses, how long the others get to leave by
 # themselves before they are killed: after a requeue they stop at the same step boundary
@@ -54,7 +62,11 @@ def spawn(
     """
     import torch.multiprocessing as mp
 
+    from dmltrain import compat
+
     watcher = PreemptionWatcher(forward)
+    if start_method == "forkserver":
+        compat.start_forkserver(FORKSERVER_PRELOAD, [signal.Signals[n] for n in forward])
     try:
         context = mp.start_processes(
             fn, args=args, nprocs=nprocs, join=False, start_method=start_method
@@ -99,6 +111,8 @@ def spawn(
         raise RankFailed(f"rank {first_rank + exc.error_index} failed first: {exc}", 1) from None
     finally:
         watcher.restore()
+        if start_method == "forkserver":
+            compat.stop_forkserver()
 
 
 # The longest path a Unix socket may have: sun_path (108 bytes on Linux, 104 on macOS)
@@ -106,6 +120,12 @@ def spawn(
 _SOCKET_PATH_BYTES = (104 if sys.platform == "darwin" else 108) - 1
 # multiprocessing's listener under the temporary directory: pymp-XXXXXXXX/listener-XXXXXXXX
 _LISTENER = os.path.join("pymp-" + 8 * "x", "listener-" + 8 * "x")
+
+
+def _socket_room(temp_dir: str) -> int:
+    """How many bytes are left under the socket path limit for multiprocessing's listener
+    in ``temp_dir`` (negative: too long a path to bind)."""
+    return _SOCKET_PATH_BYTES - len(os.fsencode(os.path.join(temp_dir, _LISTENER)))
 
 
 def loader_workers_problem(temp_dir: str) -> str | None:
@@ -118,10 +138,10 @@ def loader_workers_problem(temp_dir: str) -> str | None:
 
     if mp.get_sharing_strategy() != "file_descriptor":  # no sockets: file names instead
         return None
-    longest = len(os.fsencode(os.path.join(temp_dir, _LISTENER)))
-    if longest <= _SOCKET_PATH_BYTES:
+    room = _socket_room(temp_dir)
+    if room >= 0:
         return None
-    most = _SOCKET_PATH_BYTES - (longest - len(os.fsencode(temp_dir)))
+    most = len(os.fsencode(temp_dir)) + room
     return (
         f"the temporary directory {temp_dir} (TMPDIR) is too long a path for the sockets "
         f"through which the loader's worker processes hand over batches (at most {most} "
@@ -156,7 +176,7 @@ def spawn_fits(trainer_cls: type, name: str, config: Any, options: Any, parent: 
     fresh interpreters where they can import ``trainer_cls``, forks of this process where
     they cannot (``start_method_for``)."""
     signals = config.preemption.signal_names()
-    method = start_method_for(trainer_cls)
+    method = start_method_for(trainer_cls, config.distributed.start_method)
     spawn(
         parent.workers,
         _fit,
@@ -167,11 +187,14 @@ def spawn_fits(trainer_cls: type, name: str, config: Any, options: Any, parent: 
     )
 
 
-def start_method_for(trainer_cls: type) -> str:
-    """How to start workers that run ``trainer_cls``.
+def start_method_for(trainer_cls: type, wanted: str = "auto") -> str:
+    """How to start workers that run ``trainer_cls`` (``wanted``: ``--start-method``).
 
-    A fresh interpreter ("spawn") finds the class by importing its module again. Where
-    that cannot work, the workers are forks of this process, which has the class already:
+    A worker that can import the class's module is a fresh process: forked by a server
+    that imported torch once for all of them ("forkserver", ``FORKSERVER_PRELOAD``), or a
+    fresh interpreter ("spawn"); auto takes the server on Linux where TMPDIR is a short
+    enough path for its socket. Where importing cannot work, the workers are forks of
+    this process, which has the class already:
     a class defined in a notebook or in ``python -`` / ``python -c`` (a ``__main__``
     without a file), or inside a function. Fork carries no CUDA context into a child, so
     a process that has one gets one line saying what to do instead.
@@ -183,7 +206,7 @@ def start_method_for(trainer_cls: type) -> str:
         or os.path.isfile(getattr(module, "__file__", None) or "")
     )
     if from_file and "<locals>" not in trainer_cls.__qualname__:
-        return "spawn"
+        return _fresh_start(wanted)
     where = f"{trainer_cls.__qualname__} is defined where a new process cannot import it"
     if "fork" not in mp_start_methods():
         raise UserError(
@@ -199,6 +222,24 @@ def start_method_for(trainer_cls: type) -> str:
             "or move the class into a .py file and import it from there"
         )
     return "fork"
+
+
+def _fresh_start(wanted: str) -> str:
+    """``start_method_for`` a class the workers can import."""
+    if wanted == "spawn":
+        return "spawn"
+    fits = _socket_room(tempfile.gettempdir()) >= 0
+    if wanted == "auto":
+        return "forkserver" if fits and sys.platform == "linux" else "spawn"
+    if "forkserver" not in mp_start_methods():
+        raise UserError("--start-method forkserver: this platform has no fork server; use spawn")
+    if not fits:
+        raise UserError(
+            f"--start-method forkserver: the temporary directory {tempfile.gettempdir()} "
+            "(TMPDIR) is too long a path for the fork server's socket: set TMPDIR to a "
+            "shorter directory (e.g. /tmp), or use --start-method spawn"
+        )
+    return "forkserver"
 
 
 def mp_start_methods() -> list[str]:
@@ -217,11 +258,14 @@ def _fit(
     # A fork holds the parent's signal handlers and exit handlers. Its preemption signals
     # are ignored until the trainer catches them (the parent passes them on then: _pass_on),
     # and the parent's exit handlers (a notebook kernel's) are not this process's to run.
-    for signal_name in signals:
-        signal.signal(signal.Signals[signal_name], signal.SIG_IGN)
+    numbers = [signal.Signals[name] for name in signals]
+    for number in numbers:
+        signal.signal(number, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, numbers)  # held by the fork server
     from dmltrain import compat  # here: it imports torch, which the command loads later
 
     compat.forget_exit_handlers()
+    compat.release_forkserver()
     trainer = trainer_cls(config, options, dist=spawned(parent, local_rank))
     trainer.name = name
     exit_on_error(trainer.fit, trainer.dist.rank, trainer.dist.world_size)
