@@ -61,16 +61,22 @@ def run_cli(
 
 
 def signal_at_line(
-    args: list[str], line: str, name: str, cwd: Path, timeout: float = 300
+    args: list[str], line: str, name: str, cwd: Path, timeout: float = 300, group: bool = False
 ) -> tuple[int, str]:
     """Run ``dmltrain ARGS`` and send it signal ``name`` when it prints a line containing
-    ``line`` (a progress line); its exit status and stderr."""
+    ``line`` (a progress line); its exit status and stderr. ``group``: to every process of
+    the run (started in a process group of its own), as a terminal's Ctrl-C and a
+    scheduler's signal to a job step reach them."""
     proc = subprocess.Popen([sys.executable, "-m", "dmltrain", *args], cwd=cwd, env=cli_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=group)  # fmt: skip
     assert proc.stdout is not None
     for out in proc.stdout:
         if line in out:
-            proc.send_signal(getattr(signal, name))
+            if group:
+                os.killpg(proc.pid, getattr(signal, name))
+            else:
+                proc.send_signal(getattr(signal, name))
             break
     _, err = proc.communicate(timeout=timeout)
     return proc.returncode, err

@@ -532,7 +532,8 @@ print("samples", sum(len(batch) for batch in batches))
 def test_a_temporary_directory_too_long_for_the_loader_workers_sockets_is_said_at_once():
     """TMPDIR one character longer than the loader's workers can hand batches over from
     (a real DataLoader with a worker: it fails there, and works one character shorter):
-    one line before training, not the loader's error minutes later."""
+    one line before training, not the loader's error minutes later. --nprocs, whose fork
+    server listens on a socket of the same path, starts its workers without it there."""
     from dmltrain.runtime.processes import loader_workers_problem
 
     base = Path(tempfile.mkdtemp(dir="/tmp"))  # tmp_path may be too long a path already
@@ -559,5 +560,12 @@ def test_a_temporary_directory_too_long_for_the_loader_workers_sockets_is_said_a
         assert f"the temporary directory {too_long} (TMPDIR) is too long a path" in one_error(
             done.stderr
         )
+        done = run_cli(*TINY, "--epochs", "1", "--nprocs", "2", "--run-dir",
+                       str(base / "spawned"), cwd=base, TMPDIR=str(too_long))  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        done = run_cli(*TINY, "--nprocs", "2", "--start-method", "forkserver", "--run-dir",
+                       str(base / "asked"), cwd=base, TMPDIR=str(too_long))  # fmt: skip
+        assert done.returncode == 2
+        assert "--start-method forkserver: the temporary directory" in one_error(done.stderr)
     finally:
         shutil.rmtree(base)

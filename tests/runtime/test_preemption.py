@@ -297,12 +297,16 @@ def test_sigterm_and_sigint_from_outside_then_resume_is_bit_exact(
     uninterrupted, tmp_path, name, nprocs
 ):
     """What a scheduler does (SIGTERM at preemption or the time limit, Ctrl-C by hand):
-    checkpoint at the next step, exit 3, resume to the same result. The signal goes to the
-    process started, only: with --nprocs 2 that is the parent, which passes it on."""
+    checkpoint at the next step, exit 3, resume to the same result. With one process the
+    signal goes to it; with --nprocs 2 to every process of the run, as a scheduler signals
+    a job step and a terminal a foreground job (the parent, its workers and the fork
+    server that starts them; a signal to the parent alone: the test below)."""
     run = tmp_path / "run"
     args = [*TINY, "--nprocs", str(nprocs), "--run-dir", str(run)]
     logged = [*args, "--progress", "log", "--log-every", "1", "--step-sleep", "0.3"]
-    code, err = signal_at_line(logged, "epoch 1/3 step 3/", name, tmp_path, timeout=120)
+    code, err = signal_at_line(
+        logged, "epoch 1/3 step 3/", name, tmp_path, timeout=120, group=nprocs > 1
+    )
     assert code == 3, err
     assert f"preempted ({name})" in err
     assert list_checkpoints(run / "checkpoints")
