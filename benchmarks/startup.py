@@ -1,5 +1,6 @@
 """Startup: import time, ``dmltrain --help``, and time from process start to the first
-optimizer step, against ``import torch`` and the plain loop, with Lightning and Accelerate.
+optimizer step, against ``import torch`` and the plain loop, with Lightning and Accelerate;
+and a ``--nprocs 2`` run by how its workers start.
 
     python benchmarks/startup.py            # 5 rounds
     python benchmarks/startup.py --quick    # 1 round, first step of plain and dmltrain only
@@ -12,10 +13,13 @@ target; so each command also runs in a process that imports torch first and time
 what the command adds after that (median of the rounds): that is what the targets on
 ``import dmltrain`` and ``--help`` are judged by, both figures shown. Time to first step:
 from just before the process is started to the start of the second training forward (one
-whole step done), for the MNIST CNN trained as in ``overhead.py``.
+whole step done), for the MNIST CNN trained as in ``overhead.py``. ``--nprocs 2``: the
+command ``dmltrain mnist --nprocs 2 --max-steps 1`` from start to end, wall and CPU
+seconds (the parent, the fork server and the workers), with each ``--start-method``.
 """
 
 import argparse
+import resource
 import statistics
 import subprocess
 import sys
@@ -72,6 +76,24 @@ def first_step(name: str, run_dir: str) -> dict:
     return {"s": out["first_step_wall"] - started}
 
 
+# --start-method of the --nprocs rows; the first is what the others are compared with
+START_METHODS = ("spawn", "forkserver")
+
+
+def nprocs_run(method: str, run_dir: str) -> dict:
+    """Wall and CPU seconds of one ``dmltrain mnist --nprocs 2`` step, start to end (the
+    CPU of every process it started: each was waited for)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "dmltrain", "mnist", "--nprocs", "2", "--max-steps",
+                    "1", "--progress", "off", "--start-method", method, "--run-dir", run_dir],
+                   check=True, capture_output=True, cwd=ROOT)  # fmt: skip
+    seconds = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+    return {"s": seconds, "cpu": cpu}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -114,6 +136,18 @@ def main(argv: list[str] | None = None) -> dict:
         s = statistics.median(r["s"] for r in rows)
         lines.append(f"| {name} | {s:.2f} | {s / plain_s:.2f}x |")
         ratios[f"first step {name} / plain"] = s / plain_s
+    runs = interleaved(
+        list(START_METHODS), rounds, lambda m: nprocs_run(m, f"{tmp}/nprocs-{next(counter)}")
+    )
+    lines += ["", "| `dmltrain mnist --nprocs 2 --max-steps 1` | seconds | CPU seconds "
+              f"| vs {START_METHODS[0]} (seconds, CPU) |", "|---|---|---|---|"]  # fmt: skip
+    first = {k: statistics.median(r[k] for r in runs[START_METHODS[0]]) for k in ("s", "cpu")}
+    for method, rows in runs.items():
+        s, cpu = (statistics.median(r[k] for r in rows) for k in ("s", "cpu"))
+        lines.append(f"| `--start-method {method}` | {s:.2f} | {cpu:.2f} "
+                     f"| {s / first['s']:.2f}x, {cpu / first['cpu']:.2f}x |")  # fmt: skip
+        ratios[f"nprocs 2 {method} / {START_METHODS[0]}: seconds"] = s / first["s"]
+        ratios[f"nprocs 2 {method} / {START_METHODS[0]}: CPU"] = cpu / first["cpu"]
     text = "\n".join(lines)
     print(text, flush=True)
     return {
