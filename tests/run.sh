@@ -22,6 +22,10 @@ if [ "${1:-}" = "--quick" ]; then
 fi
 
 python3 -m pip install --quiet --disable-pip-version-check -e ".[dev]" || exit 1
+# The suite starts hundreds of processes that import dmltrain and the tests' experiments;
+# where PYTHONDONTWRITEBYTECODE is set none of them writes its bytecode, and each would
+# compile every module again.
+python3 -m compileall -q dmltrain experiments tests >/dev/null || exit 1
 # The workers run side by side, each starting processes sized for the whole machine: torch's
 # OpenMP threads that wait by spinning would burn the cores the others need. Waiting asleep
 # changes how an idle thread waits, not a result (CONTRIBUTING.md).
