@@ -122,7 +122,8 @@ def stop_forkserver() -> None:
     not this one's."""
     from multiprocessing import forkserver
 
-    forkserver._forkserver._stop()  # type: ignore[attr-defined]
+    with contextlib.suppress(OSError):  # already reaped, its socket already gone
+        forkserver._forkserver._stop()  # type: ignore[attr-defined]
 
 
 def release_forkserver() -> None:

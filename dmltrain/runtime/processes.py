@@ -65,9 +65,9 @@ def spawn(
     from dmltrain import compat
 
     watcher = PreemptionWatcher(forward)
-    if start_method == "forkserver":
-        compat.start_forkserver(FORKSERVER_PRELOAD, [signal.Signals[n] for n in forward])
     try:
+        if start_method == "forkserver":
+            compat.start_forkserver(FORKSERVER_PRELOAD, [signal.Signals[n] for n in forward])
         context = mp.start_processes(
             fn, args=args, nprocs=nprocs, join=False, start_method=start_method
         )
@@ -173,8 +173,8 @@ def _kill(workers: list[Any]) -> None:
 
 def spawn_fits(trainer_cls: type, name: str, config: Any, options: Any, parent: DistInfo) -> None:
     """``--nprocs N``: ``trainer_cls(config, options).fit()`` in N workers (``spawn``):
-    fresh interpreters where they can import ``trainer_cls``, forks of this process where
-    they cannot (``start_method_for``)."""
+    fresh processes where they can import ``trainer_cls`` (forks of the fork server, or
+    fresh interpreters), forks of this process where they cannot (``start_method_for``)."""
     signals = config.preemption.signal_names()
     method = start_method_for(trainer_cls, config.distributed.start_method)
     spawn(
