@@ -70,6 +70,7 @@ QUICK = (
     "test_snapshot.py",
     "test_trainer.py",
     "test_training_log.py",
+    "test_zygote.py",
     "test_bad_input.py::test_checkpoints_that_do_not_load_stop_the_run",
     "test_bad_input.py::test_bad_flags_are_one_line_and_exit_2",
     "test_bad_input.py::test_default_run_directories_never_collide",

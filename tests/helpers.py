@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from zygote import Zygote
 
 from dmltrain.checkpoint.storage import load_file
 from dmltrain.records.training_log import read_training_log
@@ -47,13 +48,25 @@ def cli_env(gpus: bool = False, **extra: str) -> dict[str, str]:
     return env
 
 
+_ZYGOTES: list[Zygote] = []  # this test process's zygote, once started
+
+
 def run_cli(
     *args: str, cwd: Path, timeout: float = 300, gpus: bool = False, **env: str
 ) -> subprocess.CompletedProcess:
+    """``python -m dmltrain ARGS`` in a process of its own; its exit status and output.
+    Forked from this test process's zygote (tests/zygote.py: torch already imported) where
+    nothing read at interpreter start differs, else a fresh interpreter."""
+    run_env = cli_env(gpus, **env)
+    if not _ZYGOTES:
+        _ZYGOTES.append(Zygote(cli_env(), ROOT))
+    done = _ZYGOTES[0].run(list(args), cwd, run_env, timeout)
+    if done is not None:
+        return done
     return subprocess.run(
         [sys.executable, "-m", "dmltrain", *args],
         cwd=cwd,
-        env=cli_env(gpus, **env),
+        env=run_env,
         capture_output=True,
         text=True,
         timeout=timeout,

@@ -34,11 +34,11 @@ def _compare(rank: int, world: int, port: int, trials: int) -> None:
         dist.destroy_process_group()
 
 
-def test_pairwise_exchanges_give_every_rank_what_an_all_reduce_gives():
+def test_pairwise_exchanges_give_every_rank_what_an_all_reduce_gives(monkeypatch):
     """6 ranks (4 in the exchanges, 2 more that hand theirs on and get the result back),
     mixed maxima and sums of random 41-bit integers: every rank's result equals Gloo's
     all-reduce, element by element."""
-    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"  # as dmltrain runs them
+    monkeypatch.setenv("TORCH_GLOO_LAZY_INIT", "1")  # as dmltrain runs them
     mp.spawn(_compare, args=(6, free_port(), 20), nprocs=6)
 
 
@@ -61,12 +61,12 @@ def _silent_peer(rank: int, port: int, out: dict) -> None:
     os._exit(0)  # without waiting for the silent peer
 
 
-def test_a_silent_peer_raises_after_the_timeout_given_not_the_groups():
+def test_a_silent_peer_raises_after_the_timeout_given_not_the_groups(monkeypatch):
     """The group was made with a 600 s timeout (``--init-timeout``); after one exchange
     the peer stops answering, and the next exchange, given 3 s (``--dist-timeout`` once
     the run has started), raises after those 3 s with an error that the loop takes for a
     lost peer."""
-    os.environ["TORCH_GLOO_LAZY_INIT"] = "1"  # as dmltrain runs them
+    monkeypatch.setenv("TORCH_GLOO_LAZY_INIT", "1")  # as dmltrain runs them
     with mp.Manager() as manager:
         out = manager.dict()
         context = mp.start_processes(
