@@ -3,11 +3,8 @@ with dropout and augmentation preempted mid-epoch and resumed, equal to an unint
 one bitwise, the average included (under DDP and FSDP); best.pt by the average's
 validation; consolidate --ema and --load-weights --ema."""
 
-import subprocess
-import sys
-
 import torch
-from helpers import AT_ONCE, RANDOM, assert_same_run, cli_env, log_numbers, run_cli
+from helpers import AT_ONCE, RANDOM, assert_same_run, log_numbers, run_cli
 from torch import nn
 
 from dmltrain.checkpoint.storage import consolidate, list_checkpoints, load_file
@@ -59,11 +56,8 @@ def test_a_resumed_run_keeps_its_average_bit_for_bit(tmp_path):
     assert best["best_value"] == min(row["val_ema_loss"] for row in rows)
 
     # One file whose model is the average, and a run that starts from it
-    done = subprocess.run(
-        [sys.executable, "-m", "dmltrain", "consolidate", "--ema",
-         str(whole / "checkpoints" / "latest.pt"), "-o", str(tmp_path / "avg.pt")],
-        cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    done = run_cli("consolidate", "--ema", str(whole / "checkpoints" / "latest.pt"), "-o",
+                   str(tmp_path / "avg.pt"), cwd=tmp_path, timeout=120)  # fmt: skip
     assert done.returncode == 0, done.stderr
     averaged = torch.load(tmp_path / "avg.pt", weights_only=True)["model"]
     assert all(torch.equal(averaged[k], a[k]) for k in a)
@@ -105,11 +99,15 @@ def test_under_fsdp_each_rank_averages_its_shard_and_a_resume_keeps_it(tmp_path)
     full, sharded = averages["full"], averages["sharded"]
     assert all(torch.allclose(full[k], sharded[k], rtol=1e-5, atol=1e-7) for k in full)
     newest = list_checkpoints(tmp_path / "cut-sharded" / "checkpoints")[0]
-    done = subprocess.run(
-        [sys.executable, "-m", "dmltrain", "consolidate", "--ema", str(newest), "-o",
-         str(tmp_path / "avg.pt")],
-        cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+    done = run_cli(
+        "consolidate",
+        "--ema",
+        str(newest),
+        "-o",
+        str(tmp_path / "avg.pt"),
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     model = torch.load(tmp_path / "avg.pt", weights_only=True)["model"]
     assert all(torch.equal(model[k], sharded[k]) for k in sharded)

@@ -43,14 +43,18 @@ DMLTRAIN = [sys.executable, "-m", "dmltrain"]
 
 
 def launch(command, run, timeout=300, gpus=False):
-    done = subprocess.run(
-        [*command, "--run-dir", str(run)],
-        env=cli_env(gpus, **own_port()),
-        cwd=run.parent,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    if command[: len(DMLTRAIN)] == DMLTRAIN:
+        args = [*command[len(DMLTRAIN) :], "--run-dir", str(run)]
+        done = run_cli(*args, cwd=run.parent, timeout=timeout, gpus=gpus, **own_port())
+    else:
+        done = subprocess.run(
+            [*command, "--run-dir", str(run)],
+            env=cli_env(gpus, **own_port()),
+            cwd=run.parent,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return done
 
