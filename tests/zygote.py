@@ -7,9 +7,10 @@ is the same code in a process of its own, started the way dmltrain starts the wo
 ``--nprocs`` (its fork server preloads the same two modules): its own pid, exit status,
 working directory, standard streams and ``sys.argv``, and ``__main__`` set up as ``python -m``
 does. It is only used where nothing read at interpreter start differs: the run's environment
-must be the one this interpreter started with (``Zygote.run`` returns None otherwise, and the
-caller starts a fresh interpreter), and nothing of dmltrain, the tests or the experiments is
-imported here, so each run imports the files as they are when it starts.
+must be the one this interpreter started with, but for the variables read later
+(``LATE_NAMES``, ``LATE_PREFIXES``); ``Zygote.run`` returns None otherwise, and the caller
+starts a fresh interpreter. Nothing of dmltrain, the tests or the experiments is imported
+here, so each run imports the files as they are when it starts.
 
 Protocol on this process's stdin and stdout: length-prefixed pickles. A request is ``(cwd,
 argv, the late variables, stdout FIFO, stderr FIFO)``; the answer is the run's pid, then its
