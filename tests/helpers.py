@@ -3,6 +3,7 @@ environment), starting ranks by hand, tools the suite needs, and comparing two r
 
 Fixtures are in conftest.py; tests import everything else from here."""
 
+import functools
 import os
 import re
 import shutil
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -48,7 +50,10 @@ def cli_env(gpus: bool = False, **extra: str) -> dict[str, str]:
     return env
 
 
-_ZYGOTES: list[Zygote] = []  # this test process's zygote, once started
+@functools.cache
+def _zygote() -> Zygote:
+    """This test process's zygote (its interpreter starts at the first run it forks)."""
+    return Zygote(cli_env(), ROOT)
 
 
 def run_cli(
@@ -58,15 +63,18 @@ def run_cli(
     Forked from this test process's zygote (tests/zygote.py: torch already imported) where
     nothing read at interpreter start differs, else a fresh interpreter."""
     run_env = cli_env(gpus, **env)
-    if not _ZYGOTES:
-        _ZYGOTES.append(Zygote(cli_env(), ROOT))
-    done = _ZYGOTES[0].run(list(args), cwd, run_env, timeout)
-    if done is not None:
-        return done
+    done = _zygote().run(list(args), cwd, run_env, timeout)
+    return done if done is not None else run_fresh(args, cwd, run_env, timeout)
+
+
+def run_fresh(
+    args: Sequence[str], cwd: Path, env: dict[str, str], timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """``python -m dmltrain ARGS`` in a fresh interpreter."""
     return subprocess.run(
         [sys.executable, "-m", "dmltrain", *args],
         cwd=cwd,
-        env=run_env,
+        env=env,
         capture_output=True,
         text=True,
         timeout=timeout,

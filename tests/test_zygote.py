@@ -2,10 +2,17 @@
 ``python -m dmltrain`` gives, and it never stands in where it cannot."""
 
 import subprocess
-import sys
 
 import pytest
-from helpers import ROOT, TINY_RUN, assert_same_run, cli_env, readme_experiment
+from helpers import (
+    ROOT,
+    TINY_RUN,
+    assert_same_mnist,
+    assert_same_run,
+    cli_env,
+    readme_experiment,
+    run_fresh,
+)
 from zygote import Zygote
 
 
@@ -14,17 +21,23 @@ def zygote():
     return Zygote(cli_env(), ROOT)
 
 
-def fresh(*args: str, cwd) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "dmltrain", *args]
-    return subprocess.run(command, cwd=cwd, env=cli_env(), capture_output=True, text=True)
-
-
 def test_a_forked_run_trains_as_a_fresh_one(zygote, tmp_path):
     forked = zygote.run([*TINY_RUN, "--run-dir", "forked"], tmp_path, cli_env(), timeout=300)
     assert forked is not None and forked.returncode == 0, forked and forked.stderr
-    new = fresh(*TINY_RUN, "--run-dir", "fresh", cwd=tmp_path)
+    new = run_fresh([*TINY_RUN, "--run-dir", "fresh"], tmp_path, cli_env())
     assert new.returncode == 0, new.stderr
     assert_same_run(tmp_path / "forked", tmp_path / "fresh")
+
+
+def test_a_forked_mnist_run_ends_bitwise_as_a_fresh_one(zygote, tmp_path):
+    """The bundled CNN, with its dropout and its multi-threaded convolutions: the forked
+    run draws the same numbers and computes with the same threads."""
+    args = ["mnist", "--no-download", "--max-steps", "12", "--progress", "off"]
+    forked = zygote.run([*args, "--run-dir", "forked"], tmp_path, cli_env(), timeout=600)
+    assert forked is not None and forked.returncode == 0, forked and forked.stderr
+    new = run_fresh([*args, "--run-dir", "fresh"], tmp_path, cli_env(), timeout=600)
+    assert new.returncode == 0, new.stderr
+    assert_same_mnist(tmp_path / "forked", tmp_path / "fresh")
 
 
 def test_the_working_directory_its_files_and_the_output_are_the_runs(zygote, tmp_path):
@@ -33,7 +46,7 @@ def test_the_working_directory_its_files_and_the_output_are_the_runs(zygote, tmp
     readme_experiment(tmp_path)
     for args in (["my_experiment.py", "--epochs", "0"], ["tiny", "--no-such-flag"]):
         forked = zygote.run(args, tmp_path, cli_env(), timeout=300)
-        new = fresh(*args, cwd=tmp_path)
+        new = run_fresh(args, tmp_path, cli_env())
         assert forked is not None
         assert (forked.returncode, forked.stdout, forked.stderr) == (
             new.returncode, new.stdout, new.stderr), args  # fmt: skip

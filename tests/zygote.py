@@ -17,6 +17,7 @@ argv, the late variables, stdout FIFO, stderr FIFO)``; the answer is the run's p
 exit status as ``subprocess`` reports it (negative: the signal that ended it).
 """
 
+import contextlib
 import locale
 import os
 import pickle
@@ -174,7 +175,7 @@ class Zygote:
                 # As subprocess.run kills its child on any exception (a test's timeout);
                 # the zygote goes too, rather than answer this run's status to the next.
                 if pid is not None:
-                    os.kill(pid, signal.SIGKILL)
+                    _kill(pid)
                 zygote.kill()
                 zygote.wait()
                 raise
@@ -198,7 +199,7 @@ def _read_to_the_end(output: dict[int, bytearray], pid: int, timeout: float) -> 
         if not ready:
             if timed_out:  # still held open 5 s after the kill: what came is enough
                 break
-            os.kill(pid, signal.SIGKILL)
+            _kill(pid)
             timed_out, deadline = True, time.monotonic() + 5
         for fd in ready:
             chunk = os.read(fd, 65536)
@@ -207,6 +208,12 @@ def _read_to_the_end(output: dict[int, bytearray], pid: int, timeout: float) -> 
             else:
                 open_ends.remove(fd)
     return timed_out
+
+
+def _kill(pid: int) -> None:
+    """SIGKILL to the run, which may have ended already (its output held open by others)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
 
 
 def _text(data: bytes) -> str:
