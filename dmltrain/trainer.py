@@ -171,7 +171,6 @@ class BaseTrainer(TrainerSetup):
         self._watcher = preemption.PreemptionWatcher(
             self.config.preemption.signal_names(), worker=self.dist.spawned
         )
-        self._agreement = preemption.AgreementSchedule(self.config.preemption.preempt_check_seconds)
         evaluating, results, failed = self.config.checkpoint.evaluating, None, True
         try:
             self.setup()

@@ -135,6 +135,7 @@ QUICK = (
     "test_threads.py::test_gpu_processes_with_one_cpu_each_are_warned_of",
     "test_submit.py::test_pbs_asks_four_cpus_a_process_or_the_whole_node",
     "test_processes.py::test_the_open_files_limit_is_raised_to_what_the_site_allows",
+    "test_processes.py::test_the_fork_server_leaves_without_the_teardown_of_what_it_preloaded",
     "test_monitor.py::test_an_interval_sends_the_same_few_numbers_whatever_the_number_of_ranks",
     "test_sharding.py::test_settings_that_cannot_run_are_refused_before_any_process_starts",
     "test_sharding.py::test_the_refusal_is_one_line",

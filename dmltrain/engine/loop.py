@@ -92,6 +92,8 @@ class TrainingLoop(TrainerHooks):
         self.on_train_start()
         self._fire(self._events.on_train_start)
         budget.start()
+        # its first interval is timed from here: the setup before is no step
+        self._agreement = preemption.AgreementSchedule(self.config.preemption.preempt_check_seconds)
         before = budget.reason(budget.time_done()) or budget.stopped_early()
         if s.epoch >= epochs or before:  # e.g. a later job of a chain
             self._progress.info(

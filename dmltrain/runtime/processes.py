@@ -31,8 +31,9 @@ from dmltrain.runtime.preemption import PreemptionWatcher
 # that forks them: torch, and torch._dynamo, which torch's first optimizer imports
 # (torch/_compile.py). Nothing of the experiment's: its module may touch CUDA when
 # imported, which a forked worker could then not use, and in a notebook it may have
-# changed since the last run.
-FORKSERVER_PRELOAD = ("torch", "torch._dynamo")
+# changed since the last run. Last, what makes the server itself leave without the
+# interpreter's teardown (forkserver_exit).
+FORKSERVER_PRELOAD = ("torch", "torch._dynamo", "dmltrain.runtime.forkserver_exit")
 
 # Once one worker left with one of these statuses, how long the others get to leave by
 # themselves before they are killed: after a requeue they stop at the same step boundary

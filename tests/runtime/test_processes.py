@@ -242,3 +242,20 @@ def test_the_open_files_limit_is_raised_to_what_the_site_allows():
                           text=True, timeout=60)  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "4096"
+
+
+def test_the_fork_server_leaves_without_the_teardown_of_what_it_preloaded():
+    """The server ends by SystemExit when its parent has gone; its workers are told their
+    parent died only once it has left. What it preloaded registered exit handlers (torch's)
+    that the teardown would run first: the last preloaded module skips them."""
+    from dmltrain.runtime.processes import FORKSERVER_PRELOAD
+
+    code = (
+        "import atexit, sys\n"
+        "atexit.register(print, 'teardown ran', flush=True)\n"  # what torch's handlers are
+        f"__import__({FORKSERVER_PRELOAD[-1]!r})\n"
+        "raise SystemExit(3)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)  # fmt: skip
+    assert done.returncode == 0 and "teardown ran" not in done.stdout, (done.stdout, done.stderr)
