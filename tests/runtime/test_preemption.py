@@ -330,9 +330,10 @@ def children(pid: int) -> list[int]:
 def test_a_signal_while_the_workers_start_still_checkpoints_and_resumes(uninterrupted, tmp_path):
     """SIGTERM reaches the --nprocs parent as soon as it has started its workers, while
     they still import torch. It is passed on once they catch it, instead of killing them:
-    exit 3 with a checkpoint, and the resumed run equals one never interrupted."""
+    exit 3 with a checkpoint, and the resumed run equals one never interrupted. The steps
+    sleep: the tiny run can end within the parent's first look at what it received."""
     run = tmp_path / "run"
-    args = [*TINY, "--nprocs", "2", "--run-dir", str(run)]
+    args = [*TINY, "--nprocs", "2", "--step-sleep", "0.1", "--run-dir", str(run)]
     proc = subprocess.Popen([sys.executable, "-m", "dmltrain", *args], cwd=tmp_path,
                             env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)  # fmt: skip
