@@ -380,7 +380,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.worker:
         worker(args)
         return {}
-    texts, ratios, spread = [], {}, {}
+    texts, ratios, spread, extra_us = [], {}, {}, {}
     for model, plan in (SMOKE if args.smoke else QUICK if args.quick else FULL).items():
         if args.device != "cpu":
             plan = plan._replace(block=max(plan.block, 20), steps=max(plan.steps, 100))
@@ -390,10 +390,13 @@ def main(argv: list[str] | None = None) -> dict:
         ratios.update({f"{model}: {k}": v["ratio"] for k, v in table.items() if v})
         twin = table["plain-twin"]
         spread[model] = (twin["low"], twin["high"])  # where identical loops landed
+        if table.get("dmltrain"):
+            extra_us[model] = 1000 * (table["dmltrain"]["ratio"] - 1) * table["plain"]["step_ms"]
     return {
         "markdown": "\n\n".join(texts),
         "ratios": ratios,
         "twin_range": spread,
+        "extra_us": extra_us,
         "device": args.device,
     }
 

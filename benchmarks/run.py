@@ -79,6 +79,12 @@ def targets(reports: dict) -> list[tuple[str, str, str, bool]]:
         rows.append((f"{title}: below every peer", f"{ratio:.3f}x vs {best} {peers[best]:.3f}x "
                      f"(identical loops: {low:.3f}-{high:.3f}x)", f"lower by > {margin:.3f}",
                      all(ratio < v - margin for v in peers.values())))  # fmt: skip
+    tiny_us = reports.get("overhead", {}).get("extra_us", {}).get("tiny")
+    if tiny_us is not None and reports["overhead"].get("device") == "cpu":  # a CPU's goal
+        low, high = reports["overhead"]["twin_range"]["tiny"]
+        rows.append(("tiny model: dmltrain's time per step over the plain loop (monitoring on)",
+                     f"{tiny_us:+.0f} us ({over['tiny: dmltrain']:.3f}x; identical loops: "
+                     f"{low:.3f}-{high:.3f}x)", "<= +20 us", tiny_us <= 20))  # fmt: skip
     extra = reports.get("startup", {}).get("seconds_over_torch", {})
     walls = reports.get("startup", {}).get("wall_seconds_over_torch", {})
     for name in ("import dmltrain", "dmltrain --help"):
