@@ -311,9 +311,14 @@ def measure(model: str, plan: "Plan", device: str) -> dict:
     return table
 
 
+def extra_us(table: dict, name: str) -> float:
+    """``name``'s time per step over the plain loop's, in us: its median ratio times the
+    plain loop's step."""
+    return 1000 * (table[name]["ratio"] - 1) * table["plain"]["step_ms"]
+
+
 def markdown(model: str, table: dict, plan: "Plan", device: str) -> str:
     cuda = device != "cpu"
-    plain_ms = table["plain"]["step_ms"]
     lines = [
         f"overhead: {model}, batch 64, device {device}; {plan.steps} timed steps each in turns "
         f"of {plan.block}, in {plan.processes} fresh process(es); median and range of the "
@@ -329,7 +334,7 @@ def markdown(model: str, table: dict, plan: "Plan", device: str) -> str:
         if row is None:
             lines.append(f"| {name} | not installed | | | | |" + (" |" if cuda else " | |"))
             continue
-        extra = 1000 * (row["ratio"] - 1) * plain_ms  # the median ratio, in us
+        extra = extra_us(table, name)
         rss, gpu = (f"{row[k]:.0f}" if row[k] is not None else "-" for k in ("rss", "cuda"))
         fast = [1000 * (row[k] - 1) * fast_ms for k in ("fast_ratio", "fast_low", "fast_high")]
         lines.append(
@@ -380,7 +385,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.worker:
         worker(args)
         return {}
-    texts, ratios, spread, extra_us = [], {}, {}, {}
+    texts, ratios, spread, extra = [], {}, {}, {}
     for model, plan in (SMOKE if args.smoke else QUICK if args.quick else FULL).items():
         if args.device != "cpu":
             plan = plan._replace(block=max(plan.block, 20), steps=max(plan.steps, 100))
@@ -391,12 +396,12 @@ def main(argv: list[str] | None = None) -> dict:
         twin = table["plain-twin"]
         spread[model] = (twin["low"], twin["high"])  # where identical loops landed
         if table.get("dmltrain"):
-            extra_us[model] = 1000 * (table["dmltrain"]["ratio"] - 1) * table["plain"]["step_ms"]
+            extra[model] = extra_us(table, "dmltrain")
     return {
         "markdown": "\n\n".join(texts),
         "ratios": ratios,
         "twin_range": spread,
-        "extra_us": extra_us,
+        "extra_us": extra,
         "device": args.device,
     }
 

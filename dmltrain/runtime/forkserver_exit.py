@@ -2,11 +2,10 @@
 only (``FORKSERVER_PRELOAD``).
 
 The server ends when the process that started it has gone (its "alive" pipe closes), by
-``SystemExit``: the interpreter's teardown with torch loaded takes most of a second, and
-several on a loaded machine. Its workers learn that their parent died from the signal
-that comes when the server has gone, so until then they train on: a run whose parent was
-killed near its end finished without its checkpoint. The server writes nothing and its
-workers leave by ``os._exit``: nothing of the teardown is needed.
+``SystemExit``, and the interpreter's teardown with torch loaded is slow. Its workers
+learn that their parent died from the signal that comes when the server has gone, so
+until then they train on, and may end the run without its checkpoint. The server writes
+nothing and its workers leave by ``os._exit``: nothing of the teardown is needed.
 """
 
 import atexit
