@@ -25,6 +25,23 @@
 #SBATCH --signal=USR1@300
 
 set -uo pipefail
+# >>> dmltrain block: settings.sh (edit slurm/blocks/settings.sh, then run sync.py)
+# The DMLTRAIN_* settings that hold numbers, checked once here: a bad value is one line and
+# exit status 2, not a test that fails later in every requeued job.
+for setting in DMLTRAIN_LOST_GRACE DMLTRAIN_SRUN_WAIT DMLTRAIN_MAX_LOST_REQUEUES \
+    DMLTRAIN_NPROC_PER_NODE DMLTRAIN_RDZV_PORT; do
+    if ! [[ "${!setting:-0}" =~ ^[0-9]+$ ]]; then
+        echo "dmltrain: $setting=${!setting} is not a whole number; set a number or unset it (exit status 2)" >&2
+        exit 2
+    fi
+done
+for setting in DMLTRAIN_REQUEUE DMLTRAIN_RESUBMIT; do
+    if ! [[ "${!setting:-1}" =~ ^[01]$ ]]; then
+        echo "dmltrain: $setting=${!setting} must be 0 or 1; set one or unset it (exit status 2)" >&2
+        exit 2
+    fi
+done
+# <<< dmltrain block: settings.sh
 
 # >>> dmltrain block: activate.sh (edit slurm/blocks/activate.sh, then run sync.py)
 # The environment to train in: DMLTRAIN_ENV is a venv directory or a conda env name.
@@ -59,9 +76,20 @@ echo "dmltrain: job $job, restart ${SLURM_RESTART_COUNT:-0}, ${SLURM_JOB_NUM_NOD
 # is down) would hold srun for its --wait: the step is ended DMLTRAIN_LOST_GRACE seconds
 # (10) after the 5, then the job is requeued. A status of 3 (a checkpoint being saved)
 # never ends it early.
+# A signal to the batch shell alone (scancel --signal=USR1 --batch, #SBATCH
+# --signal=B:USR1@300, or SIGTERM) goes on to every process of the job's steps as USR1: they
+# checkpoint at the next step boundary and stop with status 3, and the job requeues below.
+# shellcheck disable=SC2317  # called by the traps in run_step
+forward_signal() {
+    echo "dmltrain: the batch script received SIG$1; passing SIGUSR1 to the training processes"
+    scancel --signal=USR1 "${SLURM_JOB_ID}" 2>/dev/null || kill -USR1 "$step" 2>/dev/null
+}
 run_step() {
     "$@" &
-    local step=$! waited=0
+    step=$!
+    local waited=0 status
+    trap 'forward_signal USR1' USR1
+    trap 'forward_signal TERM' TERM
     while kill -0 "$step" 2>/dev/null; do
         if [ "$(sed -n 1p "$status_file" 2>/dev/null)" = 5 ]; then
             while kill -0 "$step" 2>/dev/null && [ "$waited" -lt "${DMLTRAIN_LOST_GRACE:-10}" ]; do
@@ -81,6 +109,13 @@ run_step() {
         sleep 2
     done
     wait "$step"
+    status=$?
+    while kill -0 "$step" 2>/dev/null; do  # a trapped signal ends a wait early
+        wait "$step"
+        status=$?
+    done
+    trap - USR1 TERM
+    return "$status"
 }
 # <<< dmltrain block: run-step.sh
 status_file="${SLURM_SUBMIT_DIR:-$PWD}/.dmltrain-status-$job"

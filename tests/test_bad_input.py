@@ -152,6 +152,32 @@ def test_a_disk_full_to_the_end_leaves_the_records_whole(small_disk):
     assert not [p.name for p in run.rglob(".*tmp*")]
 
 
+def test_a_disk_that_holds_the_last_checkpoint_once_still_ends_the_run_done(small_disk):
+    """The step checkpoint of the last step fits, and its rewrite at the epoch's end does
+    not: the run exits 0 and says that the checkpoint of that step stands (it exited 2
+    'failed', naming an older checkpoint as the last good one)."""
+    run = small_disk / "run"
+    args = [*TINY, "--epochs", "1", "--features", "2048", "--checkpoint-every-steps", "12"]
+    done = run_cli(*args, "--fill-disk-at-step", "11", "--fill-disk-leave", "320",
+                   "--run-dir", str(run), cwd=small_disk)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr and "error" not in done.stderr
+    step = run / "checkpoints" / "ckpt-000001-00000012.pt"
+    (line,) = [line for line in done.stderr.splitlines() if "no space left" in line]
+    assert f"{step}, of the same step, stands" in line, line
+    assert (run / "checkpoints" / "latest.pt").resolve() == step
+    assert json.loads((run / "outcome.json").read_text())["status"] == "done"
+    assert not [p.name for p in run.rglob(".*tmp*")]
+    (run / "filler").unlink()  # the run goes on from that checkpoint as from any
+    more = run_cli(*args, "--epochs", "2", "--run-dir", str(run), cwd=small_disk)
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert f"resuming from {step}" in more.stdout + more.stderr
+    reference = small_disk / "reference"
+    ok = run_cli(*args, "--epochs", "2", "--run-dir", str(reference), cwd=small_disk)
+    assert ok.returncode == 0, ok.stderr
+    assert_same_run(reference, run)
+
+
 def test_a_status_file_in_a_missing_folder_is_refused_before_training(tmp_path):
     run = tmp_path / "run"
     status = tmp_path / "nodir" / "status"

@@ -33,6 +33,7 @@ from dmltrain.checkpoint.model_state import (
 from dmltrain.checkpoint.storage import (
     CheckpointDir,
     WriteFailed,
+    checkpoint_name,
     list_checkpoints,
     load_file,
     load_latest_valid,
@@ -68,10 +69,22 @@ def _check_loadable(value: Any, where: str) -> None:
             _check_loadable(item, f"{where}[{i}]")
     elif not isinstance(value, _LOADABLE):
         raise UserError(
-            f"the state {where} is a {type(value).__name__}, which a checkpoint cannot hold: "
-            "return tensors, numbers, strings, and lists, tuples or dicts of those from "
-            "state_dict()"
+            f"the state {where} is a {_type_name(value)}, which a checkpoint cannot hold "
+            f"(it would not load): {_instead(value)}from state_dict() return tensors, "
+            "numbers, strings, and lists, tuples or dicts of those"
         )
+
+
+def _type_name(value: Any) -> str:
+    kind = type(value)
+    return kind.__name__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__name__}"
+
+
+def _instead(value: Any) -> str:
+    """What to store instead of a numpy value, the usual culprit."""
+    if type(value).__module__ == "numpy":
+        return "convert numpy values (int(x), float(x), torch.from_numpy(a)); "
+    return ""
 
 
 def _dcp_optim(saved: "Saved") -> Any:
@@ -222,6 +235,8 @@ class Checkpointer:
         fresh = not any(optimizer.state for optimizer in saved.optimizers)
         partial = state.metrics.state_dict() if state.step_in_epoch else None
         position = None if saved.feed is None else saved.feed.position()
+        if position is not None:  # a stream's own state_dict, inside its loader's
+            _check_loadable(position["loader"], "of the training stream's loader")
         ranks = strategy.gather_object({"rng": rng_state(), "metrics": partial, "data": position})
         # Whole in a full checkpoint (under FSDP every rank takes part in gathering it, rank
         # 0 keeps it); every rank's own shards in a sharded one, with the model's.
@@ -276,8 +291,11 @@ class Checkpointer:
                 try:
                     self.files.save(full, epoch, state.global_step, best, wait=must)
                 except WriteFailed as exc:
-                    failed = str(exc)
-            failed = strategy.broadcast_object(failed)  # also: every rank waits for rank 0
+                    # the step's own checkpoint, written before its epoch's end, stands: a
+                    # resume from it does that end again (the rewrite added only that)
+                    same = self.files.directory / checkpoint_name(epoch, state.global_step)
+                    failed, must = str(exc), must and not same.is_file()
+            failed, must = strategy.broadcast_object((failed, must))  # every rank waits too
         if fresh:
             for optimizer in saved.optimizers:
                 optimizer.state.clear()

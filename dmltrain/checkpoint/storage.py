@@ -79,8 +79,10 @@ def atomic_save(obj: Any, path: Path) -> None:
 def _why_not_written(path: Path, exc: BaseException, written: int) -> str:
     """One line: no space (how much there is, how much a checkpoint takes) or the error;
     and the newest checkpoint that is complete."""
-    older = [p for p in list_checkpoints(path.parent) if p != path and p.is_file()]
+    older = [p for p in list_checkpoints(path.parent) if p.is_file()]  # path: the one before
     last = f"the last good checkpoint is {older[0]}" if older else "no checkpoint was written yet"
+    if older and older[0] == path:
+        last = f"the checkpoint {path}, of the same step, stands"
     needed = older[0].stat().st_size if older else written
     try:
         free = shutil.disk_usage(path.parent).free

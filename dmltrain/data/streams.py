@@ -80,7 +80,7 @@ def steps_per_epoch(train: DataLoader, loop: LoopConfig, world_size: int) -> int
     if loop.steps_per_epoch:
         return loop.steps_per_epoch
     try:
-        return math.ceil(len(train) / loop.grad_accum)
+        batches = len(train)
     except TypeError:  # no __len__
         if world_size > 1:
             raise UserError(
@@ -89,6 +89,12 @@ def steps_per_epoch(train: DataLoader, loop: LoopConfig, world_size: int) -> int
                 "rank takes as many steps an epoch"
             ) from None
         return None
+    if batches == 0:
+        raise UserError(
+            f"the training stream ({type(train.dataset).__name__}) has no batch: its len() "
+            "is 0; check its data"
+        )
+    return math.ceil(batches / loop.grad_accum)
 
 
 def begin_pass(loader: DataLoader, number: int) -> Iterator[Any]:
@@ -137,7 +143,7 @@ class TrainFeed:
             return islice(self._endless(), ((self.steps or 0) - step_in_epoch) * accum)
         assert self._iterator is not None
         if not self.strict:  # one process: an epoch is a pass, whatever len() says
-            return self._iterator
+            return self._yields(self._iterator) if step_in_epoch == 0 else self._iterator
         return self._exactly(self._iterator, len(self.loader) - step_in_epoch * accum)
 
     def _endless(self) -> Iterator[Any]:
@@ -153,10 +159,23 @@ class TrainFeed:
                 yield batch
             self._iterator = None
             if empty and fresh:
-                raise UserError(
-                    f"the training stream ({type(self.loader.dataset).__name__}) yields no "
-                    f"batch on rank {self.rank}: check how it shards itself by rank and worker"
-                )
+                raise self._empty()
+
+    def _yields(self, batches: Iterator[Any]) -> Iterator[Any]:
+        """``batches``, a whole pass, which must hold one at least: a pass that yields
+        nothing would end the run as done without a step."""
+        empty = True
+        for batch in batches:
+            empty = False
+            yield batch
+        if empty:
+            raise self._empty()
+
+    def _empty(self) -> UserError:
+        return UserError(
+            f"the training stream ({type(self.loader.dataset).__name__}) yields no batch on "
+            f"rank {self.rank}: check its data, and how it shards itself by rank and worker"
+        )
 
     def _exactly(self, batches: Iterator[Any], n: int) -> Iterator[Any]:
         """``batches``, which must be ``n`` (the ranks take as many steps)."""

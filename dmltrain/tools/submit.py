@@ -25,8 +25,8 @@ SCRIPTS = {
     "slurm": {"run": "run.sh", "torchrun": "torchrun.sh", "horovod": "horovod.sh"},
     "pbs": {"derecho": "pbs/derecho.sh", "casper": "pbs/casper.sh"},
 }
-# PBS's default CPUs a training process, as slurm/run.sh asks of Slurm (#SBATCH
-# --cpus-per-task=4): the process and its DataLoader workers.
+# PBS's default CPUs a training process: the process and its DataLoader workers (Slurm's
+# scripts leave it to Slurm's default, 1, which every node can give).
 CPUS_PER_TASK = 4
 _TIME = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")
 
@@ -55,9 +55,8 @@ def add_resources(resources: Any) -> None:
     resources.add_argument(
         "--cpus-per-task",
         type=int,
-        default=0,
-        help="CPU cores per training process, for it and its loader workers (default: the "
-        f"Slurm script's, {CPUS_PER_TASK} on PBS)",
+        help="CPU cores per training process, for it and its loader workers (default: "
+        f"Slurm's, 1; {CPUS_PER_TASK} on PBS)",
     )
     resources.add_argument(
         "--whole-node",
@@ -96,6 +95,11 @@ def current_env() -> str | None:
     if sys.prefix != sys.base_prefix or (prefix / "conda-meta").is_dir():
         return str(prefix)
     return None
+
+
+def is_env(path: Path) -> bool:
+    """Whether ``path`` is a venv or a conda env that the batch scripts can activate."""
+    return (path / "bin" / "activate").is_file() or (path / "conda-meta").is_dir()
 
 
 def set_directives(text: str, lines_by_key: dict[str, str]) -> str:
@@ -182,13 +186,19 @@ def render(args: argparse.Namespace, flags: Sequence[str], run_dir: Path, target
     if not _TIME.match(args.time):
         raise UserError(f"--time {args.time!r}: write [D-]HH:MM:SS, e.g. 02:00:00 or 1-00:00:00")
     for name in ("nodes", "gpus_per_node", "tasks_per_node", "cpus_per_task"):
-        if getattr(args, name) < (1 if name == "nodes" else 0):
-            raise UserError(f"--{name.replace('_', '-')} must not be {getattr(args, name)}")
+        value = getattr(args, name)
+        if value is not None and value < (0 if name in ("gpus_per_node", "tasks_per_node") else 1):
+            raise UserError(f"--{name.replace('_', '-')} must not be {value}")
     text = (scripts_dir() / choices[script]).read_text()
     directives = _slurm_directives if args.system == "slurm" else _pbs_directives
     text = set_directives(text, directives(args, script, run_dir, text))
     command = [args.launch_as, *flags, "--run-dir", str(run_dir)]
     env = args.env if args.env is not None else current_env()
+    if args.env and "/" in args.env and not is_env(Path(args.env)):
+        raise UserError(
+            f"--env {args.env}: no environment there (no bin/activate, no conda-meta); give "
+            "a venv's directory, a conda env's directory or a conda env's name"
+        )
     filled = [
         f"# Written by dmltrain submit on {datetime.datetime.now():%Y-%m-%d %H:%M}; submit this "
         "file again to go on with the run.",
@@ -205,13 +215,20 @@ def render(args: argparse.Namespace, flags: Sequence[str], run_dir: Path, target
     return "\n".join(lines[:at] + filled + lines[at:]) + "\n"
 
 
-def check_fits(script: Path, partition: str | None) -> None:
+# What sbatch --test-only says of a job that no node of the partition can ever run.
+_NEVER = ("node configuration is not available", "partitionconfig", "more processors than")
+
+
+def check_fits(script: Path, partition: str | None, sure: bool = False) -> None:
     """Whether Slurm could ever start the job (``sbatch --test-only``): one that asks more
-    CPUs, GPUs or nodes than the partition has would wait forever as ``PartitionConfig``."""
+    CPUs, GPUs or nodes than the partition has would wait forever as ``PartitionConfig``.
+    Unless ``sure``, only Slurm's word that it never could refuses it (a login node whose
+    controller does not answer lets a --dry-run write its script)."""
     test = subprocess.run(
         ["sbatch", "--test-only", str(script)], capture_output=True, text=True, timeout=60
     )
-    if test.returncode == 0:
+    said = (test.stderr + test.stdout).lower()
+    if test.returncode == 0 or not (sure or any(never in said for never in _NEVER)):
         return
     why = test.stderr.strip().splitlines()[-1:] or [test.stdout.strip()]
     where = ["-p", partition] if partition else []
@@ -250,12 +267,12 @@ def submit(
     run_dir.mkdir(parents=True, exist_ok=True)
     target.write_text(text)
     target.chmod(0o755)
+    if args.system == "slurm" and shutil.which("sbatch") is not None:
+        check_fits(target, args.queue, sure=not args.dry_run)  # a --dry-run's too
     if args.dry_run:
         print(text, end="")
         print(f"dmltrain: wrote {target}; submit it with: {command[0]} {target}")
         return 0
-    if args.system == "slurm":
-        check_fits(target, args.queue)
     done = subprocess.run([*command, str(target)], capture_output=True, text=True)
     if done.returncode != 0:
         raise UserError(f"{command[0]} refused the job: {done.stderr.strip() or done.stdout}")

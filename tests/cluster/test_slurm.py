@@ -195,14 +195,20 @@ def test_an_experiment_file_submitted_from_itself_runs_that_file_in_the_job(slur
     assert_same_run(tmp_path / "here", run)
 
 
-def test_submit_refuses_a_job_the_partition_can_never_start(slurm, tmp_path):
-    """More CPUs a node than the partition's nodes have: sbatch would queue it for ever
-    (PartitionConfig); dmltrain submit says what does not fit and submits nothing."""
-    name = f"cannot-fit-{os.getpid()}"
+def node_cpus() -> int:
     info = ["sinfo", "-h", "-o", "%c"]
-    cpus = int(subprocess.run(info, capture_output=True, text=True, check=True).stdout.split()[0])
+    return int(subprocess.run(info, capture_output=True, text=True, check=True).stdout.split()[0])
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_submit_refuses_a_job_the_partition_can_never_start(slurm, tmp_path, dry_run):
+    """More CPUs a node than the partition's nodes have: sbatch would queue it for ever
+    (PartitionConfig); dmltrain submit says what does not fit and submits nothing, and its
+    --dry-run says so too."""
+    name = f"cannot-fit-{os.getpid()}"
+    cpus = node_cpus()
     args = ["submit", "slurm", *TINY, "--cpus-per-task", str(cpus + 1), "--job-name", name]
-    done = run_cli(*args, "--time", "10", cwd=tmp_path)
+    done = run_cli(*args, "--time", "10", *(["--dry-run"] if dry_run else []), cwd=tmp_path)
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr, done.stderr
     (line,) = [x for x in done.stderr.splitlines() if x.startswith("dmltrain: error:")]
@@ -210,6 +216,48 @@ def test_submit_refuses_a_job_the_partition_can_never_start(slurm, tmp_path):
     assert f"1 node(s) of {cpus} CPUs" in line and "not submitted" in line
     queued = subprocess.run(["squeue", "-h", "-n", name], capture_output=True, text=True)
     assert queued.stdout.strip() == ""
+
+
+def test_the_docs_plain_sbatch_of_run_sh_fits_a_small_node(slurm, tmp_path):
+    """``sbatch --ntasks-per-node 2 slurm/run.sh ...`` (docs/launching.md) with the script's
+    own defaults: Slurm could start it on a node of this cluster's size (2 CPUs here), where
+    a default of 4 CPUs a task pended for ever (PartitionConfig)."""
+    assert node_cpus() >= 2
+    test = subprocess.run(["sbatch", "--test-only", "--ntasks-per-node", "2", RUN_SH, *TINY],
+                          cwd=tmp_path, capture_output=True, text=True)  # fmt: skip
+    assert test.returncode == 0, test.stderr
+    assert "to start at" in test.stderr, test.stderr
+
+
+def test_a_bad_setting_of_the_script_is_one_line_and_no_requeue(slurm, tmp_path):
+    """DMLTRAIN_MAX_LOST_REQUEUES=abc: the job ends at once with one line (exit 2), where
+    the requeue test failed in the shell and the job requeued for ever."""
+    job = sbatch(tmp_path, *TINY, env={"DMLTRAIN_MAX_LOST_REQUEUES": "abc"})
+    assert ended(job, 120) == "FAILED"
+    log = (tmp_path / "job.out").read_text()
+    assert job_field(job, "Restarts") == "0" and job_field(job, "ExitCode") == "2:0", log
+    assert "dmltrain: DMLTRAIN_MAX_LOST_REQUEUES=abc is not a whole number" in log, log
+    assert "integer expression expected" not in log and "epoch 1/" not in log
+
+
+def test_a_signal_to_the_batch_shell_alone_checkpoints_requeues_and_ends_equal(
+    slurm, tiny_reference, tmp_path
+):
+    """``scancel --signal=USR1 --batch`` (as ``#SBATCH --signal=B:USR1@...`` sends it): the
+    batch script passes it on to the training processes, which checkpoint; the job
+    requeues into the same run and ends bitwise equal, where the script died of it (the
+    job FAILED, and a new sbatch began a new run from step 0)."""
+    job = sbatch(tmp_path, *TINY, "--step-sleep", "0.4")
+    run = tmp_path / "runs" / f"tiny-{job}"
+    out = tmp_path / "job.out"
+    wait_for(lambda: out.exists() and "epoch 1/3 step 3/" in out.read_text(), 120, "training")
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True)
+    release_requeues_until_done(job, tmp_path)
+    log = out.read_text()
+    assert "the batch script received SIGUSR1; passing SIGUSR1" in log, log[-3000:]
+    assert "preempted (SIGUSR1)" in log and "checkpoint saved, requeueing job" in log
+    assert job_field(job, "Restarts") == "1" and job_field(job, "JobState") == "COMPLETED"
+    assert_same_run(tiny_reference, run)
 
 
 def test_preempted_job_checkpoints_requeues_resumes_and_completes(slurm, tiny_reference, tmp_path):

@@ -168,3 +168,37 @@ def test_validation_over_a_stream_counts_every_sample_once_over_the_ranks(tmp_pa
         assert b["val_loss"] == pytest.approx(a["val_loss"], rel=1e-6)
     out = train(tmp_path / "fsdp", *args, "--val-stream", "--strategy", "fsdp", code=2)
     assert "validation over a stream under FSDP" in out and "Traceback" not in out
+
+
+USER_STREAM = str(Path(__file__).with_name("user_stream.py"))
+
+
+def user_stream(run: Path, *args: str) -> subprocess.CompletedProcess:
+    return run_cli(USER_STREAM, "--epochs", "1", "--batch-size", "4", "--progress", "off",
+                   "--run-dir", str(run), *args, cwd=run.parent)  # fmt: skip
+
+
+def test_a_stream_state_a_checkpoint_cannot_hold_is_one_line_at_the_first_save(tmp_path):
+    """A position kept as a numpy scalar: the run stops at its first checkpoint with one
+    line naming the value (exit 2), instead of writing checkpoints that never load."""
+    done = user_stream(tmp_path / "run", "--numpy-position", "--checkpoint-every-steps", "4")
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    (line,) = [x for x in done.stderr.splitlines() if x.startswith("dmltrain: error:")]
+    assert "['dataset_state']['position'] is a numpy.int64" in line, line
+    assert "int(x)" in line
+    assert not list((tmp_path / "run" / "checkpoints").glob("ckpt-*"))
+    fine = user_stream(tmp_path / "fine", "--checkpoint-every-steps", "4")  # an int resumes
+    assert fine.returncode == 0, fine.stderr[-3000:]
+
+
+@pytest.mark.parametrize("sized", [False, True])
+def test_a_stream_that_yields_nothing_is_one_line_not_a_run_done(tmp_path, sized):
+    """An empty stream (a wrong path, a filter that drops all): exit 2 and one line, not
+    0 steps and 'done'."""
+    done = user_stream(tmp_path / "run", "--samples", "0", *(["--sized"] if sized else []))
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    said = "has no batch: its len() is 0" if sized else "yields no batch on rank 0"
+    assert f"the training stream (Numbers) {said}" in done.stderr
+    assert "done" not in (tmp_path / "run" / "outcome.json").read_text()

@@ -90,6 +90,8 @@ def test_pbs_derecho_select_line(tmp_path):
         (["pbs", "tiny", "--script", "casper", "--nodes", "2"], "casper runs on one node"),
         (["slurm", "tiny", "--script", "casper"], "--script casper is not a slurm script"),
         (["slurm", "tiny", "--nodes", "0"], "--nodes must not be 0"),
+        (["slurm", "tiny", "--cpus-per-task", "0"], "--cpus-per-task must not be 0"),
+        (["slurm", "tiny", "--env", "/nonexistent"], "--env /nonexistent: no environment there"),
         (["slurm", "tiny", "--epochs", "-1"], "--epochs"),
         (["slurm", "nosuch"], "nosuch"),
     ],
