@@ -39,7 +39,13 @@ def check(ok: bool, message: str) -> None:
 class LoopConfig:
     """The training loop: length, batch, the step, optimizer defaults, seed, logging."""
 
-    epochs: int = field(default=10, metadata={"help": "number of training epochs"})
+    epochs: int = field(
+        default=0,
+        metadata={
+            "help": "number of training epochs (0: 10, or as many as --max-steps takes when "
+            "it is given)"
+        },
+    )
     max_steps: int = field(
         default=0,
         metadata={"help": "end training after N optimizer steps, whatever the epoch (0: off)"},
@@ -127,7 +133,7 @@ class LoopConfig:
     )
 
     def __post_init__(self) -> None:
-        check(self.epochs >= 1, f"--epochs must be at least 1 (got {self.epochs})")
+        check(self.epochs >= 0, f"--epochs must be at least 1, or 0 for 10 (got {self.epochs})")
         check(self.max_steps >= 0, f"--max-steps must be >= 0 (got {self.max_steps})")
         check(
             self.steps_per_epoch >= 0,

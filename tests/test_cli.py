@@ -133,7 +133,7 @@ def test_help_groups_flags_by_section_and_says_what_each_flag_does():
         assert f"\n{title}\n" in sub
     flat = " ".join(sub.split())
     assert "--requeue, --no-requeue under Slurm, run 'scontrol requeue'" in flat
-    assert "--epochs EPOCHS number of training epochs (default: 10)" in flat
+    assert "--epochs EPOCHS number of training epochs (0: 10, or as many as --max- steps" in flat
     assert "--download, --no-download download MNIST when it is missing" in flat
 
 

@@ -18,7 +18,7 @@ from tiny import TinyOptions
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"epochs": 0}, "--epochs must be at least 1"),
+        ({"epochs": -1}, "--epochs must be at least 1, or 0 for 10"),
         ({"batch_size": -2}, "--batch-size must be at least 1"),
         ({"lr": 0.0}, "--lr must be a positive number"),
         ({"log_every": 0}, "--log-every must be at least 1"),

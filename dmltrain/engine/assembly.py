@@ -23,7 +23,7 @@ from dmltrain.config import as_plain, to_yaml
 from dmltrain.data import rng, samples, streams
 from dmltrain.data.streams import TrainFeed
 from dmltrain.engine import contract, evaluation, metric_objects
-from dmltrain.engine.budget import Budget, total_steps
+from dmltrain.engine.budget import Budget, epochs_to_run, total_steps
 from dmltrain.engine.loop import TrainingLoop
 from dmltrain.engine.nan import NanChecker
 from dmltrain.engine.precision import Precision
@@ -49,6 +49,10 @@ from dmltrain.records.files import write_status
 from dmltrain.records.training_log import StepsLog
 from dmltrain.runtime import diagnostics, launch, preemption, processes, sharding, threads
 from dmltrain.runtime.distributed import unwrap
+
+
+def print_none(line: str) -> None:
+    """What ranks other than 0 say of what every rank finds alike."""
 
 
 class TrainerSetup(TrainingLoop):
@@ -124,6 +128,10 @@ class TrainerSetup(TrainingLoop):
             self.device,
             objects=metric_objects.prepare(metrics, self.device, self.strategy.metric_gather()),
         )
+        epochs = epochs_to_run(loop, self._feed.steps, self.warn if dist.is_main else print_none)
+        if epochs != loop.epochs:  # resolved once, as recorded in config.yaml
+            self.config = cfg = cfg.replace(epochs=epochs)
+            loop = cfg.loop
         self._total_steps = total_steps(loop, self._feed.steps)
         made = contract.several(self.create_optimizer(self.model), "create_optimizer")
         self.optimizers = tuple(

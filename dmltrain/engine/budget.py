@@ -16,6 +16,33 @@ from typing import Any
 from dmltrain.config import LoopConfig, time_limit_seconds
 from dmltrain.engine.state import TrainState
 
+DEFAULT_EPOCHS = 10  # --epochs 0, without --max-steps
+
+
+def epochs_to_run(loop: LoopConfig, steps_per_epoch: int | None, say: Callable[[str], None]) -> int:
+    """--epochs as given; else (0) as many as --max-steps takes, or ``DEFAULT_EPOCHS``. A
+    --max-steps that --epochs ends first is said here, before training."""
+    epochs, most = loop.epochs, loop.max_steps
+    if not most:
+        return epochs or DEFAULT_EPOCHS
+    if steps_per_epoch is None:  # a stream of unknown length: an epoch is a pass
+        if not epochs:
+            say(
+                f"--max-steps {most} over a stream of unknown length: the run ends "
+                f"after {DEFAULT_EPOCHS} passes of it if that comes first; give --epochs N "
+                "(or --steps-per-epoch N) to say otherwise"
+            )
+        return epochs or DEFAULT_EPOCHS
+    if not epochs:
+        return -(-most // steps_per_epoch)
+    if epochs * steps_per_epoch < most:
+        say(
+            f"--epochs {epochs} ({epochs * steps_per_epoch} steps of "
+            f"{steps_per_epoch}) ends the run before --max-steps {most}; leave out --epochs to "
+            "let --max-steps set the length"
+        )
+    return epochs
+
 
 def total_steps(loop: LoopConfig, steps_per_epoch: int | None) -> int | None:
     """Optimizer steps the run takes, by --epochs and --max-steps (a time budget or early
@@ -89,6 +116,16 @@ class Budget:
                 f"{done}/{epochs} in all; exit status 3: requeue to go on"
             )
         return None
+
+    def epochs_ended(self) -> str | None:
+        """Why the run ended at its last epoch's end when --max-steps was not reached."""
+        s, loop = self.state, self.loop
+        if not loop.max_steps or self.steps_done():
+            return None
+        return (
+            f"--epochs {loop.epochs} reached at global step {s.global_step}, before "
+            f"--max-steps {loop.max_steps}"
+        )
 
     def reason(self, time_agreed: bool) -> str | None:
         """Why the run is done by a budget, or None."""

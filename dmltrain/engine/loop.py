@@ -127,6 +127,7 @@ class TrainingLoop(TrainerHooks):
             self._checkpointer.save(best, must=stop is not None or last)  # every epoch's end
             if stop is not None:
                 return stop
+        done = done or budget.epochs_ended()
         if done and not before:
             self._progress.info(f"dmltrain: done: {done}")
         self.on_train_end()

@@ -64,6 +64,33 @@ def test_max_steps_ends_mid_epoch_and_a_resume_equals_the_uninterrupted_run(tmp_
     assert [(r["epoch"], r["step"]) for r in rows] == [(1, 12), (2, 20), (2, 24), (3, 30)]
 
 
+def test_max_steps_alone_sets_the_length_of_the_run(tmp_path):
+    """--max-steps 30 at 2 steps an epoch (as a port that counts iterations runs it):
+    the run takes 30 steps, over 15 epochs, and its schedule is sized for 30; the default
+    --epochs capped it at 20 and called the run done."""
+    run = tmp_path / "run"
+    done = run_cli("tiny", "--batch-size", "48", "--max-steps", "30", "--one-cycle",
+                   "--progress", "log", "--run-dir", str(run), cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "dmltrain: done: --max-steps 30 reached (epoch 15, global step 30)" in done.stdout
+    rows = log_numbers(run)
+    assert [(r["epoch"], r["step"]) for r in rows][-1] == (15, 30)
+    assert "epochs: 15" in (run / "config.yaml").read_text()  # as resolved
+
+
+def test_epochs_that_end_the_run_before_max_steps_are_said_before_and_at_the_end(tmp_path):
+    """Both given, --epochs ending first: a warning before training and the done line say
+    which budget ended the run (on the bundled MNIST: 2 steps an epoch of 2,000 digits)."""
+    run = tmp_path / "run"
+    done = run_cli("mnist", "--epochs", "1", "--batch-size", "2000", "--max-steps", "5",
+                   "--progress", "log", "--run-dir", str(run), cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "WARNING: --epochs 1 (2 steps of 2) ends the run before --max-steps 5" in done.stderr
+    assert "dmltrain: done: --epochs 1 reached at global step 2, before --max-steps 5" in (
+        done.stdout
+    )
+
+
 def test_max_time_counts_the_training_time_of_every_job(tmp_path):
     """--max-time 4 s: a first job trains about 1 s and is preempted; the second ends once
     both together trained 4 s; every rank stops at the same step (exit 0 from both)."""
