@@ -17,6 +17,16 @@ def first_line(exc: BaseException, limit: int | None = 200) -> str:
     return line if limit is None else line[:limit]
 
 
+def own_words(exc: BaseException) -> str:
+    """``exc``'s message. One that a DataLoader worker raised comes back in the training
+    process with the worker's traceback before its own words: those words alone."""
+    text = str(exc)
+    mark = f"{type(exc).__name__}: "
+    if text.startswith("Caught ") and "Original Traceback" in text and mark in text:
+        return text.rsplit(mark, 1)[1].strip()
+    return text
+
+
 class OneLine(Exception):
     """An outcome dmltrain explains in its message: IPython (a notebook cell) shows that
     one line instead of a traceback, as the ``dmltrain`` command does."""
@@ -133,10 +143,10 @@ def run_reporting_errors(fn: Callable[[], object], rank: int, world_size: int) -
         fn()
     except SharedError as exc:
         if rank == 0:
-            print(f"dmltrain: error: {exc}", file=sys.stderr, flush=True)
+            print(f"dmltrain: error: {own_words(exc)}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     except UserError as exc:
-        print(f"dmltrain: error: {who}{exc}", file=sys.stderr, flush=True)
+        print(f"dmltrain: error: {who}{own_words(exc)}", file=sys.stderr, flush=True)
         return EXIT_BAD_INPUT
     except RankFailed as exc:
         if not exc.said:

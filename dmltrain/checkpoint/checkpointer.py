@@ -48,6 +48,13 @@ from dmltrain.engine.state import TrainState
 from dmltrain.errors import SharedError, UserError
 from dmltrain.runtime.distributed import Strategy, unwrap
 
+# Settings whose change a resume handles itself (the global batch, _resized) or that
+# name where the run is, not how it trains.
+_RESUME_OWN = frozenset(
+    {"resume", "run_dir", "nprocs", "batch_size", "global_batch_size", "grad_accum",
+     "num_workers", "launcher", "status_file", "allow_global_batch_change"}
+)  # fmt: skip
+
 
 def _global_batch(train: dict[str, Any], world_size: int) -> int:
     """Samples per optimizer step over all processes, from a config's "train" dict."""
@@ -438,13 +445,27 @@ class Checkpointer:
                 f"{saved['train'].get('grad_accum', 1)}); keep it with {keep}, or change it "
                 "with --allow-global-batch-change"
             )
+        was, kind = saved["train"].get("optimizer"), now["train"].get("optimizer")
+        if was is not None and was != kind:
+            raise UserError(
+                f"cannot resume from {path} with --optimizer {kind}: its optimizer state is "
+                f"{was}'s; resume with --optimizer {was}, or start a new run from its weights "
+                f"(--load-weights {path} --no-load-optimizer, and a new --run-dir)"
+            )
         changed = [
+            f"{k}: {saved['train'].get(k)!r} -> {v!r}"
+            for k, v in now["train"].items()
+            if k not in _RESUME_OWN and k in saved["train"] and saved["train"][k] != v
+        ] + [
             f"{k}: {saved['options'].get(k)!r} -> {v!r}"
             for k, v in now["options"].items()
             if saved["options"].get(k) != v
         ]
         if changed and self.dist.is_main:
-            self.warn(f"resuming {path} with changed options: {', '.join(changed)}")
+            self.warn(
+                f"resuming {path} with changed settings, which apply from here on: "
+                f"{', '.join(changed)}"
+            )
 
     def _global_batch(self) -> int:
         return _global_batch(self.run_config["train"], self.dist.world_size)
@@ -523,6 +544,8 @@ class Checkpointer:
                 dcp().set_optimizer_state_dict(
                     saved.model, _dcp_optim(saved), state["optimizer"], options=options
                 )
+        if optimizer:
+            self._optimizer_settings(state.get("config", {}).get("train", {}), path)
         if optimizer and state.get("optimizer_fresh"):
             for each in saved.optimizers:  # saved before its first step: keep it fresh
                 each.state.clear()
@@ -548,6 +571,30 @@ class Checkpointer:
                 saved.state.load_state_dict(state, merged)
                 seed = state["config"]["train"]["seed"]
                 seed_everything(sample_seed(seed, state["global_step"], rank) >> 1)
+
+    def _optimizer_settings(self, saved: dict[str, Any], path: Path) -> None:
+        """The loaded param groups with this run's --lr and --weight-decay where they
+        changed (the groups' own learning rates scaled alike; a scheduler built now takes
+        over from its saved position: ``schedules``). A group that lacks a setting of its
+        optimizer came from another kind of optimizer."""
+        now = self.run_config["train"]
+        lr_was, lr = saved.get("lr"), now.get("lr")
+        decay_was, decay = saved.get("weight_decay"), now.get("weight_decay")
+        for optimizer in self.saved.optimizers:
+            for group in optimizer.param_groups:
+                missing = sorted(set(getattr(optimizer, "defaults", {})) - set(group))
+                if missing:
+                    raise UserError(
+                        f"the optimizer state in {path} is another optimizer's (its param "
+                        f"groups lack {', '.join(missing)}); resume with the optimizer it was "
+                        "saved with, or start anew with --load-weights and --no-load-optimizer"
+                    )
+                if lr_was and lr and lr != lr_was:
+                    for key in ("lr", "initial_lr"):
+                        if key in group:
+                            group[key] = group[key] * (lr / lr_was)
+                if decay != decay_was and group.get("weight_decay") == decay_was:
+                    group["weight_decay"] = decay
 
     def _restore_position(self, state: dict[str, Any], path: Path) -> None:
         """Each rank's place in its training stream, taken up when the loop goes on."""

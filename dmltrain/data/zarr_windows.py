@@ -103,6 +103,40 @@ class ZarrWindows(IterableDataset):
         return {**self.__dict__, "_arrays": None}  # reopened where it is read
 
 
+class ChunkGone(UserError):
+    """A chunk the store held when it was opened is gone (deleted while the run read it)."""
+
+
+# zarr reads a missing chunk as its fill value; these keys are metadata, not chunks
+_METADATA = ("zarr.json", ".zarray", ".zattrs", ".zgroup", ".zmetadata")
+
+
+def _strict(store: Any, path: str) -> Any:
+    """``store``, whose chunks present at opening must stay: zarr would read a chunk
+    deleted since (a scratch purge) as its fill value, and train on zeros. A chunk absent
+    at opening is one zarr left unwritten (all fill value) and reads as such."""
+    from zarr.core.sync import sync
+    from zarr.storage import WrapperStore
+
+    async def keys() -> set[str]:
+        return {key async for key in store.list() if not key.endswith(_METADATA)}
+
+    present = sync(keys())
+
+    class Strict(WrapperStore):
+        async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
+            found = await self._store.get(key, prototype, byte_range)
+            if found is None and key in present:
+                raise ChunkGone(
+                    f"{path}: its chunk {key} is gone since the run opened the store (deleted "
+                    "while the run read it: a scratch purge?); restore the store and run the "
+                    "same command: the checkpoints are intact"
+                )
+            return found
+
+    return Strict(store)
+
+
 def _open(path: str, variables: list[str]) -> list[Any]:
     try:
         import zarr
@@ -110,6 +144,7 @@ def _open(path: str, variables: list[str]) -> list[Any]:
         raise UserError("ZarrWindows needs zarr: pip install 'dmltrain[zarr]'") from None
     try:
         group = zarr.open_group(path, mode="r")
+        group = zarr.open_group(store=_strict(group.store, path), mode="r")
     except (FileNotFoundError, ValueError, OSError) as exc:
         raise UserError(f"{path} is not a zarr group that can be read: {exc}") from None
     missing = [v for v in variables if v not in group]

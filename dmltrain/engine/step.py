@@ -18,7 +18,7 @@ from dmltrain.engine.batches import batch_size_of, split_step_output, to_device
 from dmltrain.engine.nan import NanChecker, NanEvent
 from dmltrain.engine.precision import Precision
 from dmltrain.engine.state import TrainState
-from dmltrain.errors import UserError
+from dmltrain.errors import SharedError, UserError
 from dmltrain.runtime.distributed import Strategy
 
 _SEQUENCES = (tuple, list)
@@ -236,6 +236,8 @@ class ManualStep:
     _where: tuple[int, int] = (0, 0)  # (epoch, step) in progress
     # each optimizer's own parameters (by id(optimizer)), and their ids, found once
     _own: dict[int, tuple[list[Tensor], set[int]]] = field(default_factory=dict)
+    # the first step's calls of backward and optimizer_step (None: checked, after it)
+    _calls: list[int] | None = field(default_factory=lambda: [0, 0])
 
     def __post_init__(self) -> None:
         for optimizer in self.optimizers:
@@ -261,8 +263,30 @@ class ManualStep:
             return dropped.event
         finally:
             self._micro_batches = 0
+        if self._calls is not None:
+            self._check_first_step(self._calls)
         self.precision.update()
         return _after_updates(self, results, epoch, step)
+
+    def _check_first_step(self, calls: list[int]) -> None:
+        """A first step that updated nothing through ``optimizer_step``, or without
+        ``backward``: the run would end 'done' with its weights as they were, or its ranks
+        would train apart (a direct ``opt.step()`` averages no gradients)."""
+        self._calls = None
+        backwards, updates = calls  # alike on every rank: rank 0 says it for all
+        if not updates:
+            raise SharedError(
+                "train_step (manual_optimization) made no update through "
+                "self.optimizer_step(optimizer) in its first step: call self.backward(loss) "
+                "and self.optimizer_step(optimizer); a direct loss.backward() and "
+                "optimizer.step() skip the gradients' averaging over the ranks, scaling and checks"
+            )
+        if not backwards:
+            raise SharedError(
+                "train_step (manual_optimization) called self.optimizer_step without "
+                "self.backward(loss) in its first step: call self.backward(loss), not "
+                "loss.backward() (it scales the loss and accumulates as the step needs)"
+            )
 
     def backward(self, loss: Tensor, optimizer: Any = None) -> None:
         """``loss``'s gradients, scaled (fp16) and divided among the micro-batches of an
@@ -270,6 +294,8 @@ class ManualStep:
         only its parameters keep what this adds (the generator's loss leaves the
         discriminator's gradients as they were)."""
         n = self._check("backward")
+        if self._calls is not None:
+            self._calls[0] += 1
         loss = loss / n if n > 1 else loss
         kept = None
         if optimizer is not None:
@@ -308,6 +334,8 @@ class ManualStep:
         """``optimizer``'s update, at the last micro-batch of an accumulation (before it:
         nothing): its gradients averaged over the ranks, unscaled, checked, clipped."""
         self._check("optimizer_step")
+        if self._calls is not None:
+            self._calls[1] += 1
         if not self._last:
             return
         params = self._owned(optimizer)[0]

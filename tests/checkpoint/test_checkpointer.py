@@ -193,3 +193,28 @@ def test_a_checkpoint_of_an_earlier_version_resumes_bitwise(tmp_path):
     assert done.returncode == 0, done.stderr
     assert "resuming from" in done.stdout + done.stderr
     assert_same_run(FIXTURE, run)
+
+
+def test_settings_changed_at_a_resume_are_said_and_applied_or_refused(tmp_path):
+    """On the bundled MNIST (2 steps of 2,000 an epoch): --lr changed at a resume is said
+    and applied (the optimizer kept 0.001 while config.yaml said 0.01); --optimizer sgd on
+    an Adam run is one line (a KeyError traceback before), and nothing is written."""
+    run = tmp_path / "run"
+    base = ["mnist", "--no-download", "--batch-size", "2000", "--progress", "off",
+            "--run-dir", str(run)]  # fmt: skip
+    first = run_cli(*base, "--max-steps", "1", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    more = run_cli(*base, "--max-steps", "2", "--lr", "0.01", cwd=tmp_path)
+    assert more.returncode == 0, more.stderr[-3000:]
+    said = "with changed settings, which apply from here on: max_steps: 1 -> 2, lr: 0.001 -> 0.01"
+    assert said in more.stderr
+    saved = load_file(run / "checkpoints" / "latest.pt")
+    assert saved["optimizer"]["param_groups"][0]["lr"] == 0.01
+    assert saved["config"]["train"]["lr"] == 0.01
+    before = sorted(p.name for p in (run / "checkpoints").iterdir())
+    sgd = run_cli(*base, "--max-steps", "3", "--lr", "0.01", "--optimizer", "sgd", cwd=tmp_path)
+    assert sgd.returncode == 2, sgd.stderr[-3000:]
+    assert "Traceback" not in sgd.stderr
+    (line,) = [x for x in sgd.stderr.splitlines() if x.startswith("dmltrain: error:")]
+    assert "with --optimizer sgd: its optimizer state is adam's" in line, line
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before

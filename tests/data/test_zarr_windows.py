@@ -66,8 +66,10 @@ def test_what_it_cannot_read_is_one_line(tmp_path):
 
 EXPERIMENT = textwrap.dedent("""
     import os
+    import shutil
     import signal
     from dataclasses import dataclass, field
+    from pathlib import Path
 
     import torch.nn.functional as F
     from torch import nn
@@ -80,6 +82,7 @@ EXPERIMENT = textwrap.dedent("""
     class Options:
         store: str = field(default="", metadata={"help": "the zarr store"})
         stop_at_step: int = field(default=-1, metadata={"help": "rank 0 sends itself SIGUSR1"})
+        purge_at_step: int = field(default=-1, metadata={"help": "rank 0 deletes t2m's chunks"})
 
 
     class Forecast(BaseTrainer):
@@ -95,6 +98,8 @@ EXPERIMENT = textwrap.dedent("""
             x, y = batch
             if self.dist.rank == 0 and self.global_step == self.options.stop_at_step:
                 os.kill(os.getpid(), signal.SIGUSR1)
+            if self.dist.rank == 0 and self.global_step == self.options.purge_at_step:
+                shutil.rmtree(Path(self.options.store) / "t2m" / "c")  # as a scratch purge
             with open(self.run_dir / f"steps.{self.dist.rank}.txt", "a") as record:
                 steps = " ".join(str(int(v // 1000)) for v in x[:, 0, 0, 0, 0, 0])
                 record.write(f"{self.global_step + 1} {steps}\\n")
@@ -134,3 +139,26 @@ def test_a_climate_model_on_zarr_windows_preempted_on_2_ranks_resumes_exactly(tm
                          if int(line.split()[0]) <= 6 for t in line.split()[1:])  # fmt: skip
     assert len(first_pass) == 40 and set(first_pass.values()) == {1}
     assert_same_run(runs["full"], runs["split"])
+
+
+@pytest.mark.parametrize("workers", ["0", "2"])
+def test_a_store_whose_chunks_vanish_mid_run_stops_with_one_line(tmp_path, workers):
+    """t2m's chunks deleted at step 4 (a scratch purge): the run stops with one line
+    (exit 2) instead of training on zeros to 'done' and rotating away every checkpoint
+    from before; those checkpoints are all there."""
+    store = make_store(tmp_path / "era.zarr")
+    experiment = tmp_path / "forecast.py"
+    experiment.write_text(EXPERIMENT)
+    run = tmp_path / "run"
+    done = run_cli(str(experiment), "--store", str(store), "--num-workers", workers,
+                   "--batch-size", "4", "--steps-per-epoch", "3", "--epochs", "4",
+                   "--checkpoint-every-steps", "1", "--keep-last", "2", "--purge-at-step", "4",
+                   "--progress", "off", "--run-dir", str(run), cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    (line,) = [x for x in done.stderr.splitlines() if x.startswith("dmltrain: error:")]
+    assert f"{store}: its chunk t2m/c/" in line and "is gone since the run opened" in line, line
+    kept = sorted(p.name for p in (run / "checkpoints").glob("ckpt-*"))
+    steps = [int(name.split("-")[2].split(".")[0]) for name in kept]
+    assert steps and 4 <= max(steps) < 12, kept  # the steps of batches read before it
+    assert "done" not in (run / "outcome.json").read_text()

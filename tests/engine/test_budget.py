@@ -82,8 +82,9 @@ def test_epochs_that_end_the_run_before_max_steps_are_said_before_and_at_the_end
     """Both given, --epochs ending first: a warning before training and the done line say
     which budget ended the run (on the bundled MNIST: 2 steps an epoch of 2,000 digits)."""
     run = tmp_path / "run"
-    done = run_cli("mnist", "--epochs", "1", "--batch-size", "2000", "--max-steps", "5",
-                   "--progress", "log", "--run-dir", str(run), cwd=tmp_path)  # fmt: skip
+    done = run_cli("mnist", "--no-download", "--epochs", "1", "--batch-size", "2000",
+                   "--max-steps", "5", "--progress", "log", "--run-dir", str(run),
+                   cwd=tmp_path)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "WARNING: --epochs 1 (2 steps of 2) ends the run before --max-steps 5" in done.stderr
     assert "dmltrain: done: --epochs 1 reached at global step 2, before --max-steps 5" in (

@@ -1,8 +1,12 @@
 """The optimizer step: the usual step's own path (one frame) takes the very steps of the
 general one."""
 
+from pathlib import Path
+
+import pytest
 import torch
 import torch.nn.functional as F
+from helpers import run_cli
 
 from dmltrain import TrainConfig
 from dmltrain.engine.step import OptimizerStep
@@ -102,3 +106,32 @@ def test_the_usual_step_counts_each_batch_as_batch_size_of_does():
         assert step.run.__func__ is OptimizerStep._run_usual
         step.run((batch,), 1, 1)
         assert state.metrics.count == batch_size_of(batch), batch
+
+
+GAN_MISTAKES = str(Path(__file__).with_name("gan_mistakes.py"))
+
+
+@pytest.mark.parametrize(
+    ("mistake", "nprocs", "said"),
+    [
+        ("no-update", "1", "made no update through self.optimizer_step(optimizer)"),
+        ("direct", "2", "made no update through self.optimizer_step(optimizer)"),
+        ("no-backward", "1", "called self.optimizer_step without self.backward(loss)"),
+    ],
+)
+def test_a_manual_step_that_would_train_nothing_or_apart_is_one_line(
+    tmp_path, mistake, nprocs, said
+):
+    """The bundled GAN's step written wrongly: no update (the run ended 'done' with its
+    weights unchanged), a direct loss.backward()/opt.step() under 2 processes (the ranks
+    trained apart, rank 0's model saved), an update without a backward: each stops at the
+    first step with one line (exit 2)."""
+    run = tmp_path / "run"
+    done = run_cli(GAN_MISTAKES, "--mistake", mistake, "--nprocs", nprocs, "--epochs", "1",
+                   "--no-download", "--progress", "off", "--run-dir", str(run),
+                   cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    lines = [x for x in done.stderr.splitlines() if x.startswith("dmltrain: error:")]
+    assert len(lines) == 1 and said in lines[0] and "first step" in lines[0], done.stderr[-3000:]
+    assert not list((run / "checkpoints").glob("ckpt-*"))
