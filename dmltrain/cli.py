@@ -16,6 +16,7 @@ import dataclasses
 import gc
 import importlib
 import os
+import signal
 import sys
 import traceback
 import types
@@ -37,7 +38,7 @@ from dmltrain.errors import (
     run_reporting_errors,
 )
 from dmltrain.records.files import NotWritten, write_status
-from dmltrain.runtime import processes
+from dmltrain.runtime import preemption, processes
 from dmltrain.trainer import BaseTrainer
 
 
@@ -506,8 +507,14 @@ def entry() -> int:
     """
     gc.freeze()
     try:
-        return main()
+        status = main()
     except KeyboardInterrupt:  # before the run catches signals (it stops at a step then)
         forget_interrupt()
         print("dmltrain: interrupted", file=sys.stderr, flush=True)
-        return 130
+        status = 130
+    # The outcome is decided and said: a scheduler's signal now, while the interpreter
+    # ends (which puts back the default handlers, that would end it by the signal), must
+    # not turn a finished run into a failed job.
+    for name in preemption.StartupSignals.NAMES:
+        signal.signal(signal.Signals[name], signal.SIG_IGN)
+    return status

@@ -66,6 +66,7 @@ def spawn(
     from dmltrain import compat
 
     watcher = PreemptionWatcher(forward)
+    orphans = Orphans()
     try:
         if start_method == "forkserver":
             compat.start_forkserver(FORKSERVER_PRELOAD, [signal.Signals[n] for n in forward])
@@ -114,6 +115,7 @@ def spawn(
         watcher.restore()
         if start_method == "forkserver":
             compat.stop_forkserver()
+        orphans.end()
 
 
 # The longest path a Unix socket may have: sun_path (108 bytes on Linux, 104 on macOS)
@@ -161,6 +163,56 @@ def _left_first(rank: int, code: int) -> RankFailed | StopForRequeue:
         f"rank {rank} failed first (exit code {code}); the other ranks were stopped",
         code if code and code > 0 else 1,
     )
+
+
+_PR_SET_CHILD_SUBREAPER = 36  # prctl(2), Linux
+
+
+class Orphans:
+    """The run's processes whose parent died: a worker killed by ``kill -9`` leaves its
+    loader workers and their fork server, which would live on with parent 1 (each waits
+    for the server, which waits for them). From here to ``end`` they become this
+    process's children (a child subreaper, Linux), and ``end`` kills those still there:
+    nothing outlives the run. Children this process had before, and multiprocessing's
+    resource tracker, are not the run's."""
+
+    def __init__(self) -> None:
+        self.before = _children()
+        self.libc: Any = None
+        if sys.platform.startswith("linux"):
+            import ctypes
+
+            with contextlib.suppress(OSError):
+                self.libc = ctypes.CDLL(None, use_errno=True)
+                self.libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+    def end(self) -> None:
+        if self.libc is None:
+            return
+        from multiprocessing import resource_tracker
+
+        tracker = getattr(resource_tracker._resource_tracker, "_pid", None)
+        for _ in range(8):  # a killed one's own children are adopted in turn
+            left = _children() - self.before - {tracker}
+            if not left:
+                break
+            for pid in left:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+        self.libc.prctl(_PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+
+
+def _children() -> set[int]:
+    """This process's children, from /proc (empty where there is none)."""
+    me, found = str(os.getpid()), set()
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError), open(f"/proc/{entry.name}/stat") as handle:
+                    if handle.read().rsplit(")", 1)[1].split()[1] == me:
+                        found.add(int(entry.name))
+    return found
 
 
 def _kill(workers: list[Any]) -> None:

@@ -1,6 +1,8 @@
 """Preemption with real signals and real kills; resumed runs must equal uninterrupted ones."""
 
+import contextlib
 import itertools
+import json
 import os
 import re
 import signal
@@ -476,3 +478,29 @@ def test_a_ctrl_c_during_the_start_ups_imports_is_raised_after_them():
         assert reached and handler.received == ["SIGINT"]
     finally:
         signals.signal(signals.SIGINT, previous)
+
+
+def test_a_signal_while_a_finished_run_ends_leaves_its_status_zero(tmp_path):
+    """SIGUSR1 to the whole --nprocs 2 run every 10 ms from its last epoch's row until it
+    has exited (a scheduler's notice during the final teardown): the run is done and
+    exits 0; its parent died of the signal (status 138) while the interpreter ended."""
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dmltrain", *TINY, "--nprocs", "2", "--epochs", "1",
+         "--progress", "log", "--run-dir", str(run)],
+        cwd=tmp_path, env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, start_new_session=True,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("epoch 1/1 train_loss"):
+            break
+    sent = 0
+    while proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGUSR1)
+            sent += 1
+        time.sleep(0.01)
+    out = proc.stdout.read()
+    assert proc.wait() == 0, out[-3000:]
+    assert sent and json.loads((run / "outcome.json").read_text())["status"] == "done"

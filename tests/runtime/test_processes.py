@@ -6,6 +6,7 @@ Real notebooks in a real kernel: nbclient and jupyter_client drive ipykernel (in
 with the dev extra); the Slurm job is a real one on the local cluster.
 """
 
+import os
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ import nbclient
 import nbformat
 import pytest
 import torch
-from helpers import assert_same_run, cli_env, job_field, sbatch, wait_for
+from helpers import assert_same_run, cli_env, job_field, run_cli, sbatch, wait_for
 from jupyter_client.manager import KernelManager
 
 # The class a user writes in a cell: dropout, so every step draws random numbers.
@@ -259,3 +260,29 @@ def test_the_fork_server_leaves_without_the_teardown_of_what_it_preloaded():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=60)  # fmt: skip
     assert done.returncode == 0 and "teardown ran" not in done.stdout, (done.stdout, done.stderr)
+
+
+def marked(mark: str) -> list[str]:
+    """The processes alive whose environment holds ``LEFTOVER_MARK=mark``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if f"LEFTOVER_MARK={mark}".encode() in (entry / "environ").read_bytes():
+                found.append((entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()[:80])
+        except (OSError, NotADirectoryError):
+            continue
+    return found
+
+
+def test_nothing_outlives_a_run_whose_rank_was_killed(tmp_path):
+    """kill -9 of rank 1 of --nprocs 2 --num-workers 2: its loader workers and their fork
+    server lived on with parent 1 (each waiting for the other), about 240 MB each; now
+    none of the run's processes is left once it has ended (exit 5)."""
+    mark = f"{os.getpid()}-{time.monotonic_ns()}"
+    done = run_cli("tiny", "--nprocs", "2", "--num-workers", "2", "--epochs", "2",
+                   "--batch-size", "4", "--die-rank", "1", "--die-at-step", "3",
+                   "--progress", "off", "--run-dir", str(tmp_path / "run"), cwd=tmp_path,
+                   LEFTOVER_MARK=mark)  # fmt: skip
+    assert done.returncode == 5, done.stderr[-3000:]
+    assert "rank 1 was killed by SIGKILL" in done.stderr
+    wait_for(lambda: not marked(mark), 10, "the run's processes to be gone")
