@@ -197,7 +197,39 @@ def register_experiment(
         clash = set(field_names(config_cls)) & reserved
         if clash:
             raise ValueError(f"options of {name!r} reuse built-in names: {sorted(clash)}")
+        _check_option_types(name, config_cls)
     return Experiment(name, trainer_cls, config_cls, help)
+
+
+_SCALARS = (int, float, str, bool)
+
+
+def _check_option_types(name: str, config_cls: type) -> None:
+    """Each option's type is one a flag can give (docs/experiments.md): int, float, str,
+    bool, a Literal of one of those, X | None, or a list or tuple of int, float or str."""
+    for option, kind in typing.get_type_hints(config_cls).items():
+        if option not in field_names(config_cls):
+            continue
+        plain = [a for a in typing.get_args(kind) if a is not type(None)]
+        if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
+            kind = plain[0] if len(plain) == 1 else kind
+        sequence = sequence_of(kind)
+        fits = (
+            kind in _SCALARS
+            or typing.get_origin(kind) is typing.Literal
+            or (
+                sequence is not None
+                and sequence[0] in (int, float, str)
+                and len(set(a for a in typing.get_args(kind) if a is not Ellipsis)) <= 1
+            )
+        )
+        if not fits:
+            shown = getattr(kind, "__name__", None) if not typing.get_args(kind) else None
+            raise TypeError(
+                f"option {option!r} of experiment {name!r} has type {shown or kind}, which a "
+                "flag cannot give: use int, float, str, bool, a Literal, X | None, or a list or "
+                "tuple of int, float or str (parse other values from a str in the trainer)"
+            )
 
 
 def discover_experiments() -> dict[str, Experiment]:
@@ -296,6 +328,38 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+class _Sequence(argparse.Action):
+    """A list or tuple option's values, as words or separated by commas (``--size 16 32``,
+    ``--size 16,32``); a tuple of fixed length takes that many."""
+
+    def __init__(
+        self, *names: Any, item: Any = str, sequence: type = list, length: Any = None, **kw: Any
+    ) -> None:
+        kw["nargs"] = "+"
+        super().__init__(*names, **kw)
+        self.item, self.sequence, self.length = item, sequence, length
+
+    def __call__(self, parser: Any, namespace: Any, values: Any, option: Any = None) -> None:
+        words = [word for value in values for word in value.split(",") if word]
+        try:
+            items = [self.item(word) for word in words]
+        except ValueError:
+            parser.error(f"argument {option}: {' '.join(words)} are not {self.item.__name__}s")
+        if self.length is not None and len(items) != self.length:
+            parser.error(f"argument {option}: takes {self.length} values, got {len(items)}")
+        setattr(namespace, self.dest, self.sequence(items))
+
+
+def sequence_of(kind: Any) -> tuple[Any, type, int | None] | None:
+    """(item type, list or tuple, fixed length or None) of a list or tuple option's type
+    (``list[int]``, ``tuple[int, int]``, ``tuple[float, ...]``); None for any other."""
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if origin not in (list, tuple):
+        return None
+    fixed = origin is tuple and bool(args) and args[-1] is not Ellipsis
+    return (args[0] if args else str), origin, (len(args) if fixed else None)
+
+
 class _Flags(argparse_dataclass.ArgumentParser):
     """The flags argparse-dataclass makes of a dataclass's fields, under one title in
     --help; a parent parser (``parents=``) of each experiment's subcommand.
@@ -321,6 +385,11 @@ class _Flags(argparse_dataclass.ArgumentParser):
             kwargs.update(action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS)
         if isinstance(kwargs.get("type"), types.UnionType):
             kwargs["type"] = next(a for a in typing.get_args(kwargs["type"]) if a is not type(None))
+        sequence = sequence_of(kwargs.get("type"))
+        if sequence is not None and "nargs" not in kwargs:
+            item, kind, length = sequence
+            kwargs.pop("type")
+            kwargs.update(action=_Sequence, item=item, sequence=kind, length=length)
         default = self._field_defaults.get(dest)
         if default is not None and default is not dataclasses.MISSING:
             shown = str(default).lower() if isinstance(default, bool) else default
@@ -347,12 +416,18 @@ def _experiment_flags(experiment: Experiment) -> list[Any]:  # argparse.Argument
 
 
 def _given(values: dict[str, Any], cls: type) -> dict[str, Any]:
-    """The fields of ``cls`` set by a flag or the config file (the rest keep their defaults)."""
-    return {
+    """The fields of ``cls`` set by a flag or the config file (the rest keep their defaults);
+    a file's list for a tuple option becomes a tuple."""
+    hints = typing.get_type_hints(cls)
+    given = {
         name: values[name]
         for name in field_names(cls)
         if values.get(name, dataclasses.MISSING) is not dataclasses.MISSING
     }
+    for name, value in given.items():
+        if isinstance(value, list) and typing.get_origin(hints.get(name)) is tuple:
+            given[name] = tuple(value)
+    return given
 
 
 def build_parser(experiments: dict[str, Experiment]) -> argparse.ArgumentParser:

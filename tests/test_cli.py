@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 import torch.nn.functional as F
+import yaml
 from helpers import cli_env, run_cli
 from torch import nn
 from torch.utils.data import TensorDataset
@@ -307,3 +308,70 @@ def test_the_status_file_counts_the_checkpoints_this_job_saved(tmp_path):
             "--status-file", str(status), "--run-dir", str(tmp_path / "run")]  # fmt: skip
     assert main(args, experiments=[TINY]) == 3
     assert read_status_record(status) == (3, 1)
+
+
+SHAPED = """
+from dataclasses import dataclass, field
+
+from dmltrain import BaseTrainer, register_experiment
+
+
+@dataclass(frozen=True)
+class Options:
+    img_size: tuple[int, int] = (720, 1440)
+    widths: list[int] = field(default_factory=lambda: [64])
+    dropout: tuple[float, ...] | None = None
+
+
+EXPERIMENT = register_experiment("vit", BaseTrainer, Options)
+"""
+
+
+@pytest.mark.parametrize(
+    ("flags", "expected"),
+    [
+        (["--img-size", "16", "32"], {"img_size": [16, 32]}),
+        (["--img-size", "16,32", "--widths", "1", "2", "3"], {"img_size": [16, 32],
+                                                              "widths": [1, 2, 3]}),
+        (["--dropout", "0.1,0.2,0.3"], {"dropout": [0.1, 0.2, 0.3]}),
+        ([], {"img_size": [720, 1440], "widths": [64], "dropout": None}),
+    ],
+)  # fmt: skip
+def test_list_and_tuple_options_take_words_or_commas(tmp_path, flags, expected):
+    """``img_size: tuple[int, int]`` with ``--img-size 16,32`` became ['1', '6', ',', ...]
+    and ``--img-size 16 32`` was refused; both give (16, 32) now, and a config file's list
+    comes back as the same tuple."""
+    experiment = tmp_path / "vit.py"
+    experiment.write_text(SHAPED)
+    done = run_cli(str(experiment), *flags, "--print-config", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    printed = yaml.safe_load(done.stdout)
+    assert {k: printed[k] for k in expected} == expected
+    (tmp_path / "saved.yaml").write_text(done.stdout)
+    again = run_cli(str(experiment), "--config", str(tmp_path / "saved.yaml"), "--print-config",
+                    cwd=tmp_path)  # fmt: skip
+    assert yaml.safe_load(again.stdout) == printed
+
+
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [
+        (["--img-size", "16"], "argument --img-size: takes 2 values, got 1"),
+        (["--img-size", "a,b"], "argument --img-size: a b are not ints"),
+    ],
+)
+def test_bad_list_and_tuple_values_are_one_line(tmp_path, flags, said):
+    experiment = tmp_path / "vit.py"
+    experiment.write_text(SHAPED)
+    done = run_cli(str(experiment), *flags, "--print-config", cwd=tmp_path)
+    assert done.returncode == 2 and said in done.stderr and "Traceback" not in done.stderr
+
+
+def test_an_option_type_no_flag_can_give_is_refused_when_registered(tmp_path):
+    experiment = tmp_path / "table.py"
+    experiment.write_text(SHAPED.replace("widths: list[int]", "widths: dict[str, int]").replace(
+        "lambda: [64]", "dict"))  # fmt: skip
+    done = run_cli(str(experiment), "--print-config", cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "option 'widths' of experiment 'vit' has type dict[str, int], which a flag cannot give"\
+        in done.stderr  # fmt: skip

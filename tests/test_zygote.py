@@ -44,7 +44,7 @@ def test_the_working_directory_its_files_and_the_output_are_the_runs(zygote, tmp
     """A file experiment in the working directory imports as under ``python -m``; its error
     output and exit status are the same to the letter."""
     readme_experiment(tmp_path)
-    for args in (["my_experiment.py", "--epochs", "0"], ["tiny", "--no-such-flag"]):
+    for args in (["my_experiment.py", "--epochs", "-1"], ["tiny", "--no-such-flag"]):
         forked = zygote.run(args, tmp_path, cli_env(), timeout=300)
         new = run_fresh(args, tmp_path, cli_env())
         assert forked is not None
