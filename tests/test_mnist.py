@@ -182,3 +182,19 @@ def test_mnist_from_webdataset_shards_resumes_mid_epoch_where_each_rank_was(tmp_
     assert resumed.returncode == 0 and "resuming from" in resumed.stdout, resumed.stderr[-3000:]
     assert "the training stream" not in resumed.stdout + resumed.stderr  # nothing to warn of
     assert_same_mnist(full, split)
+
+
+def test_the_logged_step_loss_is_every_ranks_not_rank_0s(tmp_path):
+    """--nprocs 2, 4 steps of 2 x 500 digits: the loss of steps.csv at the epoch's last step,
+    the epoch's running mean, is the training log's train_loss over both ranks (it was
+    rank 0's own running mean)."""
+    run = tmp_path / "run"
+    done = run_cli("mnist", "--no-download", "--nprocs", "2", "--epochs", "1",
+                   "--batch-size", "500", "--log-every", "2", "--progress", "off",
+                   "--run-dir", str(run), cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    with open(run / "steps.csv", newline="") as handle:
+        steps = list(csv.DictReader(handle))
+    (row,) = read_training_log(run / "training_log.csv")
+    assert [r["step"] for r in steps] == ["2", "4"]
+    assert float(steps[-1]["loss"]) == pytest.approx(row["train_loss"], rel=1e-6)

@@ -213,11 +213,14 @@ class TrainingLoop(TrainerHooks):
         return self._agreement.skip(min(left) - 1)
 
     def _log_interval(self, step: int, epoch: int) -> None:
-        """Every rank's clocks (a collective), then rank 0 shows, records and tracks."""
+        """Every rank's clocks and metric sums (collectives), then rank 0 shows, records and
+        tracks."""
         s = self._state
         monitored = self._monitor.interval(s.global_step)
-        shown = self._progress.step(  # rank 0's running means, read now only
-            step, s.metrics.count, s.metrics.compute, self.dist.is_main, monitored
+        # the epoch's running means over every rank's samples: one collective an interval
+        means = s.metrics.compute(self.strategy.all_reduce_sum)
+        shown = self._progress.step(
+            step, s.metrics.count, lambda: means, self.dist.is_main, monitored
         )
         if shown is None:  # not rank 0
             return
