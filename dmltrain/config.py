@@ -93,6 +93,13 @@ class LoopConfig:
             "G / (processes x --grad-accum), so one command line works at any scale"
         },
     )
+    drop_last: bool = field(
+        default=False,
+        metadata={
+            "help": "leave out each epoch's last training batch when it is short (validation "
+            "counts every sample)"
+        },
+    )
     grad_accum: int = field(
         default=1, metadata={"help": "accumulate gradients of N batches per optimizer step"}
     )

@@ -126,7 +126,7 @@ class TrainerHooks(abc.ABC):
             num_workers=cfg.num_workers,
             pin_memory=self.device.type == "cuda",
             persistent_workers=cfg.num_workers > 0,
-            drop_last=False,
+            drop_last=train and cfg.drop_last,
         )
 
     def create_callbacks(self) -> list[Any]:

@@ -117,8 +117,8 @@ class BaseTrainer(TrainerSetup):
             self._close(exc)
             self._record_outcome(exc)
             raise
+        self._record_outcome(None)  # first: the training is done whatever on_close does
         self._close(None)
-        self._record_outcome(None)
         return rows
 
     def _close(self, error: BaseException | None) -> None:

@@ -68,6 +68,40 @@ def _type(field: dataclasses.Field, hints: dict[str, typing.Any]) -> str:
     return getattr(hint, "__name__", str(hint))
 
 
+def option_rows(cls: type) -> list[str]:
+    """A row for each field of an options dataclass: flag, type, default, help."""
+    hints = typing.get_type_hints(cls, include_extras=False)
+    lines = []
+    for field in dataclasses.fields(cls):
+        name = "--" + field.name.replace("_", "-")
+        kind = _type(field, hints)
+        if kind == "bool":
+            name += f", --no-{field.name.replace('_', '-')}"
+        default = field.default if field.default is not dataclasses.MISSING else ""
+        shown = str(default).lower() if isinstance(default, bool) else default
+        shown = "" if shown is None else shown
+        help_text = field.metadata.get("help", "").replace("%%", "%")
+        lines.append(f"| `{name}` | {kind} | {_cell(shown)} | {_cell(help_text)} |")
+    return lines
+
+
+def bundled() -> list[str]:
+    """The options of each experiment that comes with dmltrain (dmltrain_experiments)."""
+    lines = [
+        "## The bundled experiments' options",
+        "",
+        "Besides the flags above, each bundled experiment takes its own.",
+        "",
+    ]
+    found = cli.discover_experiments()
+    for name in ("mnist", "mnist-gan"):
+        experiment = found[name]
+        said = experiment.help[0].upper() + experiment.help[1:] + "."
+        lines += [f"### dmltrain {name}", "", said, "", "| flag | type | default | what it does |",
+                  "|---|---|---|---|", *option_rows(experiment.config_cls), ""]  # fmt: skip
+    return lines
+
+
 def flags() -> list[str]:
     lines = [
         "## Flags",
@@ -83,17 +117,7 @@ def flags() -> list[str]:
     ]
     for _, title, cls in SECTIONS:
         lines.append(f"| **{title}** | | | |")
-        hints = typing.get_type_hints(cls, include_extras=False)
-        for field in dataclasses.fields(cls):
-            name = "--" + field.name.replace("_", "-")
-            kind = _type(field, hints)
-            if kind == "bool":
-                name += f", --no-{field.name.replace('_', '-')}"
-            default = field.default if field.default is not dataclasses.MISSING else ""
-            shown = str(default).lower() if isinstance(default, bool) else default
-            shown = "" if shown is None else shown
-            help_text = field.metadata.get("help", "").replace("%%", "%")
-            lines.append(f"| `{name}` | {kind} | {_cell(shown)} | {_cell(help_text)} |")
+        lines += option_rows(cls)
     return lines
 
 
@@ -152,6 +176,7 @@ def page() -> str:
         "",
         *flags(),
         "",
+        *bundled(),
         *subcommands(),
         *exit_statuses(),
         "",

@@ -138,3 +138,37 @@ def test_a_state_a_checkpoint_cannot_load_is_refused_at_the_save():
         import numpy as np
 
         _check_loadable({"x": np.zeros(2)}, "'mine'")
+
+
+CLOSING = """
+from tiny import TinyOptions, TinyTrainer
+
+from dmltrain import Callback, register_experiment
+
+
+class Upload(Callback):
+    def on_close(self, trainer, error):
+        if error is None:
+            raise RuntimeError("the upload failed")
+
+
+class Closing(TinyTrainer):
+    def create_callbacks(self):
+        return [*super().create_callbacks(), Upload()]
+
+
+EXPERIMENT = register_experiment("closing", Closing, TinyOptions)
+"""
+
+
+def test_an_on_close_that_fails_after_a_finished_run_leaves_it_recorded_done(tmp_path):
+    """The run trained to its end, then a callback's on_close raised: exit 1 with its
+    traceback, and outcome.json says done (there was none, and a sweep ran the trial
+    again)."""
+    experiment = tmp_path / "closing.py"
+    experiment.write_text(CLOSING)
+    run = tmp_path / "run"
+    done = run_cli(str(experiment), "--epochs", "1", "--progress", "off", "--run-dir", str(run),
+                   cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 1 and "RuntimeError: the upload failed" in done.stderr
+    assert json.loads((run / "outcome.json").read_text())["status"] == "done"

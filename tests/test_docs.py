@@ -129,13 +129,13 @@ def test_every_command_line_of_a_page_parses(page, here, capsys):
 
 
 def flag_names(line: cli.Experiment) -> set[str]:
-    """Every flag of an experiment's command (mnist's, and the README experiment's own
-    options) and of the tools."""
+    """Every flag of an experiment's command (the bundled ones', and the README
+    experiment's own options) and of the tools."""
     parser = cli.build_parser({**cli.discover_experiments(), "line": line})
     commands = next(a for a in parser._actions if hasattr(a, "choices") and a.choices)
     return {
         string
-        for name in ("mnist", "line", *cli.TOOLS)
+        for name in ("mnist", "mnist-gan", "line", *cli.TOOLS)
         for action in commands.choices[name]._actions
         for string in action.option_strings
         if string.startswith("--")

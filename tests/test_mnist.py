@@ -198,3 +198,16 @@ def test_the_logged_step_loss_is_every_ranks_not_rank_0s(tmp_path):
     (row,) = read_training_log(run / "training_log.csv")
     assert [r["step"] for r in steps] == ["2", "4"]
     assert float(steps[-1]["loss"]) == pytest.approx(row["train_loss"], rel=1e-6)
+
+
+def test_drop_last_leaves_out_the_short_batch_of_an_epoch(tmp_path):
+    """4,000 training digits in batches of 1,500: 2 steps an epoch with --drop-last (the
+    last 1,000 left out), 3 without; validation still counts all 1,000."""
+    for flag, steps in (("--drop-last", 2), ("--no-drop-last", 3)):
+        run = tmp_path / flag
+        done = run_cli("mnist", "--no-download", "--epochs", "1", "--batch-size", "1500", flag,
+                       "--progress", "off", "--run-dir", str(run), cwd=tmp_path)  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert f"{steps} steps an epoch" in done.stdout
+        (row,) = read_training_log(run / "training_log.csv")
+        assert row["step"] == steps

@@ -317,7 +317,7 @@ class TrainerSetup(TrainingLoop):
     def _start_monitor(self) -> None:
         """What is made of the step clocks at each log interval (``monitor``)."""
         cfg, dist, me = self.config, self.dist, self._ranks[self.dist.rank]
-        hint = monitor.workers_hint(me["threads"] + me["workers"], me["workers"])  # its own CPUs
+        hint = monitor.workers_hint(me["cpu_share"], me["workers"])  # the CPUs of its own
         self._monitor = Monitor(
             self._step_clock,
             self.strategy.over_ranks,

@@ -38,6 +38,7 @@ from dmltrain.runtime import control
 
 STALL_SHARE = 0.2  # of the interval's time spent waiting for data
 STALL_INTERVALS = 2  # in a row, before a warning
+STALL_SECONDS = 0.002  # the least wait a step that is a stall (reading, decoding)
 _US = 1e5  # the collectives' unit of time: 10 us
 _PPM = 1_000_000  # of a share
 _RANKS = 2**20  # the slowest rank rides in the low bits of its time (int64)
@@ -230,7 +231,9 @@ class Monitor:
         return values
 
     def _check_stall(self, waiting: float, steps_per_s: float) -> None:
-        self._stalled = self._stalled + 1 if waiting > STALL_SHARE else 0
+        # in-memory data's own batching is a share of a tiny step, never milliseconds
+        stalled = waiting > STALL_SHARE and waiting / steps_per_s > STALL_SECONDS
+        self._stalled = self._stalled + 1 if stalled else 0
         if self._stalled >= STALL_INTERVALS and "stall" not in self._warned:
             self._warned.add("stall")
             self.warn(

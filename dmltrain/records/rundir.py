@@ -251,8 +251,17 @@ def holds_run(run_dir: Path) -> bool:
 
 
 def read_outcome(run_dir: Path) -> dict[str, Any] | None:
-    """``outcome.json`` of ``run_dir``, or None when its run has not ended a job yet."""
+    """``outcome.json`` of ``run_dir``, or None when its run has not ended a job yet; one
+    that is there but cannot be read (empty, not JSON) has the status ``unreadable``."""
+    path = run_dir / OUTCOME
     try:
-        return dict(json.loads((run_dir / OUTCOME).read_text()))
-    except (OSError, ValueError):
+        text = path.read_text()
+    except OSError:
         return None
+    try:
+        record = json.loads(text)
+        if isinstance(record, dict) and isinstance(record.get("status"), str):
+            return record
+    except ValueError:
+        pass
+    return {"status": "unreadable", "message": f"{path} is empty or not an outcome record"}

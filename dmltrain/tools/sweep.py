@@ -31,6 +31,9 @@ from dmltrain.errors import UserError, first_line
 from dmltrain.records import rundir
 from dmltrain.records.training_log import read_training_log
 
+# Settings the sweep gives each trial itself.
+SWEEP_OWN = frozenset({"run_dir", "resume", "status_file", "config", "print_config"})
+
 
 def load_space(path: Path, known: set[str]) -> dict[str, Any]:
     """``sweep.yaml``, checked: option names of the experiment (``known``, with ``_``),
@@ -46,6 +49,11 @@ def load_space(path: Path, known: set[str]) -> dict[str, Any]:
         name = str(raw).replace("-", "_")
         if name not in known:
             raise UserError(f"--space {path}: '{raw}' is not an option of this experiment")
+        if name in SWEEP_OWN:
+            raise UserError(
+                f"--space {path}: '{raw}' is the sweep's to set (each trial has its own run "
+                "directory, and resumes there); leave it out of the space"
+            )
         where = f"--space {path}: '{raw}'"
         if isinstance(entry, dict) and set(entry) == {"values"}:
             entry = {"values": entry["values"]}

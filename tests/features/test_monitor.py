@@ -132,6 +132,19 @@ def test_a_data_bound_interval_twice_in_a_row_warns_once():
     assert "raise --num-workers" in warnings[0]
 
 
+def test_in_memory_batching_in_a_tiny_step_is_no_data_stall():
+    """Half a millisecond a step of waiting (a TensorDataset's own batching) is most of a
+    tiny step, but no stall to act on: no warning, however many intervals."""
+    clock, warnings = StepClock(torch.device("cpu")), []
+    monitor = Monitor(clock, one_rank, 0, ["node1"], 1.2, warnings.append, None,
+                      workers_hint="raise --num-workers")  # fmt: skip
+    for _ in range(4):
+        for _ in clock.batches(slow(range(4), 0.0005)):
+            clock.step()
+        assert monitor.interval(4)["data_wait"] > 0.2
+    assert warnings == []
+
+
 def test_a_data_bound_run_says_what_to_change(tmp_path):
     done = run_cli("tiny", "--epochs", "1", "--batch-size", "8", "--progress", "log",
                    "--log-every", "2", "--data-sleep", "0.002", "--run-dir", "run",

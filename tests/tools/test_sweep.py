@@ -9,7 +9,7 @@ from helpers import run_cli
 from dmltrain.errors import UserError
 from dmltrain.tools.sweep import Sweep, best, expand, flags, load_space
 
-KNOWN = {"lr", "dropout", "batch_size", "augment"}
+KNOWN = {"lr", "dropout", "batch_size", "augment", "run_dir"}
 
 
 def space(tmp_path, text):
@@ -59,6 +59,7 @@ def test_a_trials_options_are_flags_and_booleans_a_pair():
         ("lr: {low: 0, high: 1, log: true}\n", "> 0 with log"),
         ("lr: {low: a, high: 1}\n", "must be numbers"),
         ("lr: [1\n", "cannot be read"),
+        ("run-dir: [a, b]\n", "'run-dir' is the sweep's to set"),
     ],
 )
 def test_a_bad_space_is_refused_with_the_option_named(tmp_path, text, message):
@@ -127,6 +128,9 @@ def test_a_local_sweep_runs_each_trial_and_status_names_a_failure_and_the_best(t
     assert lines[-1].startswith("dmltrain sweep: best trial 0 (val_loss ")
     outcome = json.loads((tmp_path / "runs" / "s" / "trial-1" / "outcome.json").read_text())
     assert outcome["status"] == "failed" and outcome["global_step"] == 1
+    (tmp_path / "runs" / "s" / "trial-1" / "outcome.json").write_text("")  # 0 bytes: no record
+    status = run_cli("sweep", "status", "runs/s", cwd=tmp_path)
+    assert status.stdout.splitlines()[2].split()[2] == "unreadable", status.stdout
 
 
 @pytest.mark.parametrize("args", [[], ["runs/s", "zero", "2"]])
