@@ -392,7 +392,7 @@ def test_resuming_into_a_read_only_run_directory_is_one_line(finished, tmp_path)
     finally:
         subprocess.run(["umount", str(run)], check=True)
     assert done.returncode == 2, done.stderr[-3000:]
-    assert f"cannot write {run / 'config.yaml'}" in one_error(done.stderr)
+    assert f"cannot write in the run directory {run}: Read-only" in one_error(done.stderr)
     assert contents(run) == before
 
 
@@ -595,3 +595,33 @@ def test_a_temporary_directory_too_long_for_the_loader_workers_sockets_is_said_a
         assert "--start-method forkserver: the temporary directory" in one_error(done.stderr)
     finally:
         shutil.rmtree(base)
+
+
+def test_a_nan_stop_on_two_processes_is_one_line(tmp_path):
+    """--on-nan raise on 2 processes: rank 0's line and no more (the parent's SIGTERM of
+    the other rank, torch's warning of it and a C++ store stack came with it)."""
+    done = run_cli(*STEPS, "--nprocs", "2", "--check-nans", "--on-nan", "raise", "--nan-rank",
+                   "1", "--nan-at-step", "3", "--run-dir", str(tmp_path / "run"),
+                   cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 4, done.stderr[-3000:]
+    said = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(said) == 1 and said[0].startswith("dmltrain: stopped: NaN check:"), said
+
+
+def test_a_read_only_run_directory_on_two_processes_is_one_line(tmp_path):
+    """A run directory mounted read-only (for root too: needs root, as in CI): one line
+    before training, exit 2, where rank 0 failed at config.yaml and rank 1 added C++ store
+    stacks and 'exit status 5'."""
+    run = tmp_path / "run"
+    run.mkdir()
+    subprocess.run(["mount", "--bind", str(run), str(run)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(run)], check=True)
+        done = run_cli(*STEPS, "--nprocs", "2", "--run-dir", str(run), cwd=tmp_path)
+    finally:
+        subprocess.run(["umount", str(run)], check=True)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert done.stderr.strip() == (
+        f"dmltrain: error: cannot write in the run directory {run}: Read-only file system; "
+        "pass another --run-dir"
+    )

@@ -125,6 +125,12 @@ def problem(path: Path) -> str | None:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         return f"cannot create the run directory {path}: {exc.strerror}; pass another --run-dir"
+    probe = path / f".dmltrain-write-test-{os.getpid()}"
+    try:  # here, where every rank learns the verdict, not at its first record (rank 0's)
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        return f"cannot write in the run directory {path}: {exc.strerror}; pass another --run-dir"
     return None
 
 

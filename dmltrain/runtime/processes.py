@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 
 from dmltrain.errors import (
     EXIT_BAD_INPUT,
+    EXIT_NONFINITE,
     EXIT_PEER_LOST,
     EXIT_REQUEUE,
     RankFailed,
@@ -38,9 +39,10 @@ FORKSERVER_PRELOAD = ("torch", "torch._dynamo", "dmltrain.runtime.forkserver_exi
 # Once one worker left with one of these statuses, how long the others get to leave by
 # themselves before they are killed: after a requeue they stop at the same step boundary
 # (they agreed to) once their checkpoint is written; bad input is said by the rank that
-# found it, and a verdict of rank 0's (SharedError) ends every rank alike. One still
+# found it, and a verdict of rank 0's (SharedError) ends every rank alike, as a NaN stop
+# does (every rank stops at the same step). One still
 # running then is stuck (e.g. connecting to a rendezvous that never answers).
-LEAVING_GRACE_SECONDS = {EXIT_REQUEUE: 60.0, EXIT_BAD_INPUT: 10.0}
+LEAVING_GRACE_SECONDS = {EXIT_REQUEUE: 60.0, EXIT_BAD_INPUT: 10.0, EXIT_NONFINITE: 10.0}
 
 
 def spawn(
@@ -97,8 +99,9 @@ def spawn(
             held += [(process, signum) for signum in received for process in workers]
             held = [(process, signum) for process, signum in held if not _pass_on(process, signum)]
         codes = [w.exitcode for w in context.processes]
-        if None not in codes and EXIT_BAD_INPUT in codes and set(codes) <= {0, EXIT_BAD_INPUT}:
-            raise RankFailed("bad input, said by the ranks", EXIT_BAD_INPUT, said=True)
+        for said in (EXIT_BAD_INPUT, EXIT_NONFINITE):  # the ranks said why themselves
+            if None not in codes and said in codes and set(codes) <= {0, said}:
+                raise RankFailed("said by the ranks", said, said=True)
         context.join()  # raises for the first that failed, and stops the others
     except mp.ProcessExitedException as exc:
         if exc.signal_name:  # killed from outside (the OOM killer, kill -9): a lost peer
