@@ -7,6 +7,7 @@ them from MNIST's arrays. Needs ``webdataset``.
 """
 
 import glob
+import tarfile
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from dmltrain.errors import UserError
+from dmltrain.errors import UserError, first_line
 
 from .mnist_data import MEAN, STD
 
@@ -53,6 +54,18 @@ class MnistShards(IterableDataset):
 
     def __init__(self, pattern: str, rank: int = 0, world_size: int = 1, seed: int = 0) -> None:
         self.files = sorted(glob.glob(pattern))
+        if not self.files:
+            raise UserError(
+                f"--shards {pattern} matches no file: check the path, and quote the glob "
+                "(--shards 'DIR/train-*.tar') so that the shell leaves it to dmltrain"
+            )
+        bad = [f for f in self.files if not (Path(f).is_file() and tarfile.is_tarfile(f))]
+        if bad:
+            raise UserError(
+                f"--shards {pattern}: {bad[0]} is not a tar file"
+                + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "")
+                + ": rewrite it, or leave it out of the glob"
+            )
         if len(self.files) < world_size:
             raise UserError(
                 f"--shards {pattern} matches {len(self.files)} file(s), fewer than the "
@@ -80,8 +93,14 @@ class MnistShards(IterableDataset):
                 workersplitter=None,
                 empty_check=False,
             )
-            samples = list(digits.decode("l8").to_tuple("png", "cls"))
             name = Path(mine[self.shard]).name
+            try:
+                samples = list(digits.decode("l8").to_tuple("png", "cls"))
+            except Exception as exc:  # tarfile's, webdataset's, PIL's: a shard that is not
+                raise UserError(
+                    f"--shards: {mine[self.shard]} is not a whole shard of digits (each a .png "
+                    f"and a .cls): {first_line(exc)}; rewrite it, or leave it out of the glob"
+                ) from None
             draw = np.random.default_rng([self.seed, self.epoch, zlib.crc32(name.encode())])
             order = draw.permutation(len(samples))
             while self.sample < len(samples):

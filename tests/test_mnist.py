@@ -211,3 +211,43 @@ def test_drop_last_leaves_out_the_short_batch_of_an_epoch(tmp_path):
         assert f"{steps} steps an epoch" in done.stdout
         (row,) = read_training_log(run / "training_log.csv")
         assert row["step"] == steps
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncated", "empty", "foreign", "none"])
+def test_broken_shards_are_one_line(tmp_path, damage):
+    """--shards with one shard that is junk, cut short, empty or a tar of other files, or
+    a glob that matches nothing: one line naming it (exit 2), with 2 loader workers too;
+    it was a tarfile traceback, or 'fewer than the 1 processes... write smaller ones'."""
+    pytest.importorskip("webdataset")
+    import io
+    import tarfile
+
+    from dmltrain_experiments import mnist_data
+    from dmltrain_experiments.mnist_shards import write_shards
+
+    arrays, _ = mnist_data.read_dir(mnist_data.SAMPLE_DIR)
+    assert write_shards(arrays["train_images"][:400], arrays["train_labels"][:400],
+                        str(tmp_path / "train-%06d.tar"), 200) == 2  # fmt: skip
+    shard = tmp_path / "train-000001.tar"
+    if damage == "corrupt":
+        shard.write_bytes(b"not a tar file")
+    elif damage == "truncated":
+        shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    elif damage == "empty":
+        shard.write_bytes(b"")
+    elif damage == "foreign":
+        with tarfile.open(shard, "w") as tar:
+            info = tarfile.TarInfo("notes.txt")
+            info.size = 5
+            tar.addfile(info, io.BytesIO(b"hello"))
+    pattern = str(tmp_path / ("nothing-*.tar" if damage == "none" else "train-*.tar"))
+    done = run_cli("mnist", "--no-download", "--epochs", "1", "--batch-size", "100",
+                   "--num-workers", "2", "--shards", pattern, "--progress", "off",
+                   "--run-dir", str(tmp_path / "run"), cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    (line,) = [x for x in done.stderr.splitlines() if x.startswith("dmltrain: error:")]
+    if damage == "none":
+        assert f"--shards {pattern} matches no file" in line, line
+    else:
+        assert str(shard) in line and "leave it out of the glob" in line, line
