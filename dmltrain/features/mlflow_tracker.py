@@ -65,15 +65,29 @@ class Journal:
         self.directory = directory
         self.file = directory / JOURNAL
 
-    def records(self) -> list[dict[str, Any]]:
+    def records(self, say: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+        """The journal's records. A line cut short by a kill is left out (what it held was
+        not sent either), and so is a line that is no record (edited by hand, another
+        program's), said in one line through ``say``: it must not fail the store or the
+        run that reads them."""
         if not self.file.is_file():
             return []
-        records = []
-        for line in self.file.read_text().splitlines():
+        records, foreign = [], []
+        for number, line in enumerate(self.file.read_text().splitlines(), 1):
             try:
-                records.append(json.loads(line))
+                record = json.loads(line)
             except json.JSONDecodeError:
-                continue  # a line cut short by a kill: what it held was not sent either
+                continue
+            if _is_record(record):
+                records.append(record)
+            else:
+                foreign.append(number)
+        if foreign and say is not None:
+            shown = ", ".join(map(str, foreign[:5])) + (" ..." if len(foreign) > 5 else "")
+            say(
+                f"dmltrain: mlflow: {self.file} line(s) {shown} are no record of dmltrain's; "
+                "left out"
+            )
         return records
 
     def append(self, record: dict[str, Any]) -> None:
@@ -93,6 +107,25 @@ class Journal:
         runs = {**self.runs(), uri: run_id}
         self.directory.mkdir(parents=True, exist_ok=True)
         (self.directory / RUNS).write_text(json.dumps(runs, indent=1) + "\n")
+
+
+# The fields each kind of record holds (the journal's own lines).
+_FIELDS = {
+    "run": ("experiment", "name"),
+    "params": ("values",),
+    "tags": ("values",),
+    "status": ("value",),
+    "metrics": ("values", "step", "time"),
+    "artifact": ("path", "to"),
+}
+
+
+def _is_record(record: Any) -> bool:
+    if not isinstance(record, dict) or record.get("kind") not in _FIELDS:
+        return False
+    if not all(name in record for name in _FIELDS[record["kind"]]):
+        return False
+    return not ("values" in record and not isinstance(record["values"], dict))
 
 
 def last_steps(records: Iterable[dict[str, Any]]) -> dict[str, int]:
@@ -225,7 +258,7 @@ class MlflowTracker(Tracker):
         self.say, self.run_dir = start.say, start.run_dir
         self.settings = start.settings
         self.journal = Journal(start.run_dir / "mlflow")
-        records = self.journal.records()
+        records = self.journal.records(start.say)
         self.logged = last_steps(records)
         self.step = start.global_step
         run = next((r for r in records if r["kind"] == "run"), None)
@@ -327,7 +360,7 @@ def sync(run_dir: Path, uri: str | None, say: Callable[[str], None]) -> str:
     default the one the run logged to), what the store lacks only; returns the run id."""
     launch.mlflow_defaults()
     journal = Journal(run_dir / "mlflow")
-    records = journal.records()
+    records = journal.records(say)
     run = next((r for r in records if r["kind"] == "run"), None)
     if run is None:
         raise UserError(f"{run_dir} holds no MLflow journal (mlflow/{JOURNAL}): was it run "

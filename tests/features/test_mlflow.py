@@ -209,3 +209,30 @@ def test_a_sweep_logs_its_trials_to_a_file_without_a_server(tmp_path, store, mon
     assert sorted(r.data.params["train.lr"] for r in runs) == ["0.001", "0.01"]
     assert {r.data.tags["group"] for r in runs} == {"s"}
     assert all(r.info.status == "FINISHED" and "val_loss" in r.data.metrics for r in runs)
+
+
+def test_a_journal_line_that_is_no_record_is_left_out_and_said(tmp_path):
+    """A JSON line in mlflow/journal.jsonl that is no record (added by hand): mlflow-sync
+    and the run's next job leave it out with one line and go on; the sync blamed the
+    store ('mlflow-sync to URI: 'kind''), and the next job turned the tracker off and
+    journaled nothing."""
+    uri = f"sqlite:///{tmp_path / 'store.db'}"
+    run = tmp_path / "run"
+    done = train(tmp_path, run, "--epochs", "1", uri=uri)
+    assert done.returncode == 0, done.stderr[-3000:]
+    journal = run / "mlflow" / "journal.jsonl"
+    lines = len(journal.read_text().splitlines())
+    with journal.open("a") as handle:
+        handle.write('{"note": "checked by hand"}\n[1, 2]\n')
+    synced = run_cli("mlflow-sync", str(run), "--to", uri, cwd=tmp_path)
+    assert synced.returncode == 0, synced.stderr
+    said = f"{journal} line(s) {lines + 1}, {lines + 2} are no record of dmltrain's; left out"
+    assert said in synced.stdout
+    before = journal.read_text().count('"metrics"')
+    more = train(tmp_path, run, "--epochs", "2", uri=uri)
+    assert more.returncode == 0, more.stderr[-3000:]
+    assert "are no record of dmltrain's; left out" in more.stdout
+    assert journal.read_text().count('"metrics"') > before
+    client, logged = the_run(uri, "tiny")
+    steps = [s for s, _ in history(client, logged.info.run_id, "train/loss")]
+    assert steps == list(range(3, 25, 3)), steps
