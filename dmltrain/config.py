@@ -898,8 +898,13 @@ def coerce(value: Any, annotation: Any, key: str, source: str) -> Any:
 
 
 def load_config_file(path: str, classes: list[type]) -> dict[str, Any]:
-    """Read a flat YAML/JSON mapping and check every key against the given dataclasses."""
-    file = Path(path)
+    """Read a flat YAML/JSON mapping and check every key against the given dataclasses.
+    ``FILE:NAME`` reads the mapping under NAME of a file of named configs (YAML anchors and
+    ``<<:`` merges, as many training scripts keep theirs)."""
+    file, name = Path(path), None
+    head, _, tail = path.rpartition(":")
+    if not file.is_file() and head and Path(head).is_file():
+        file, name = Path(head), tail
     if not file.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
@@ -907,6 +912,13 @@ def load_config_file(path: str, classes: list[type]) -> dict[str, Any]:
         data = json.loads(text) if file.suffix == ".json" else yaml.safe_load(text)
     except (OSError, ValueError, yaml.YAMLError) as exc:
         raise ConfigError(f"config file {path} cannot be parsed: {first_line(exc, None)}") from None
+    named = sorted(str(k) for k, v in data.items() if isinstance(v, dict)) if isinstance(
+        data, dict) else []  # fmt: skip
+    if name is not None:
+        if name not in named:
+            has = f"it has {', '.join(named)}" if named else "it holds no named configs"
+            raise ConfigError(f"config file {file} has no config named {name!r} ({has})")
+        data = data[name]
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -918,6 +930,11 @@ def load_config_file(path: str, classes: list[type]) -> dict[str, Any]:
     for raw_key, value in data.items():
         key = str(raw_key).replace("-", "_")
         if key not in hints or key == "config":
+            if name is None and named and isinstance(value, dict):
+                raise ConfigError(
+                    f"config file {path} holds named configs ({', '.join(named)}): choose one "
+                    f"with --config {path}:NAME"
+                )
             known = ", ".join(sorted(hints))
             raise ConfigError(f"config file {path}: unknown key '{raw_key}' (known keys: {known})")
         values[key] = coerce(value, hints[key], str(raw_key), f"config file {path}")

@@ -109,3 +109,30 @@ def test_resolved_yaml_loads_back_to_the_same_config(tmp_path):
     assert "# run_dir: r  (this run's own: not loaded back by --config)" in path.read_text()
     loaded = TrainConfig(**load_config_file(str(path), [TrainConfig]))
     assert loaded == dataclasses.replace(config, run_dir=None)  # a copy starts a run of its own
+
+
+NAMED = """
+base: &base
+  lr: 0.005
+  batch_size: 16
+  epochs: 2
+short:
+  <<: *base
+  epochs: 1
+"""
+
+
+def test_a_file_of_named_configs_gives_one_by_its_name(tmp_path):
+    """A training script's YAML of named configs with anchors and merges: --config FILE:NAME
+    takes that one (merged with what it inherits); the whole file, or a name it lacks, is
+    one line naming its configs (it was "unknown key 'base'")."""
+    path = tmp_path / "configs.yaml"
+    path.write_text(NAMED)
+    classes = [TrainConfig, TinyOptions]
+    assert load_config_file(f"{path}:short", classes) == {"lr": 0.005, "batch_size": 16,
+                                                          "epochs": 1}  # fmt: skip
+    assert load_config_file(f"{path}:base", classes)["epochs"] == 2
+    with pytest.raises(ConfigError, match=r"holds named configs \(base, short\): choose one"):
+        load_config_file(str(path), classes)
+    with pytest.raises(ConfigError, match=r"has no config named 'long' \(it has base, short\)"):
+        load_config_file(f"{path}:long", classes)
