@@ -93,7 +93,17 @@ def forget_exit_handlers() -> None:
 
 def run_exit_handlers() -> Any:
     """The exit handlers without the interpreter's teardown (``atexit._run_exitfuncs``):
-    no public call runs them alone; a handler's error is printed and the others run."""
+    no public call runs them alone; a handler's error is printed and the others run. In a
+    process that multiprocessing started (an --nprocs worker, whose exit handlers were
+    the parent's and are forgotten) also multiprocessing's own end of a process: its
+    children stopped, its semaphores handed back (``util._exit_function``, which its
+    ``Process`` runs after the target returns; a worker leaves before that). The resource
+    tracker would report them leaked."""
+    import multiprocessing
+    from multiprocessing import util
+
+    if multiprocessing.parent_process() is not None:
+        util._exit_function()  # type: ignore[attr-defined]
     return atexit._run_exitfuncs()
 
 

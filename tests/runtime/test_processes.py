@@ -16,7 +16,15 @@ import nbclient
 import nbformat
 import pytest
 import torch
-from helpers import assert_same_run, cli_env, job_field, run_cli, sbatch, wait_for
+from helpers import (
+    assert_same_run,
+    cli_env,
+    job_field,
+    run_cli,
+    run_fresh,
+    sbatch,
+    wait_for,
+)
 from jupyter_client.manager import KernelManager
 
 # The class a user writes in a cell: dropout, so every step draws random numbers.
@@ -286,3 +294,13 @@ def test_nothing_outlives_a_run_whose_rank_was_killed(tmp_path):
     assert done.returncode == 5, done.stderr[-3000:]
     assert "rank 1 was killed by SIGKILL" in done.stderr
     wait_for(lambda: not marked(mark), 10, "the run's processes to be gone")
+
+
+def test_workers_with_loader_workers_hand_back_their_semaphores(tmp_path):
+    """--nprocs 2 --num-workers 1: the run ends without the resource tracker's "2 leaked
+    semaphore objects" (each worker left before multiprocessing's end of a process)."""
+    args = ["tiny", "--nprocs", "2", "--num-workers", "1", "--epochs", "1", "--batch-size", "4",
+            "--progress", "off", "--run-dir", str(tmp_path / "run")]  # fmt: skip
+    done = run_fresh(args, tmp_path, cli_env())  # its own resource tracker, not a zygote's
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "leaked" not in done.stderr and "Warning" not in done.stderr, done.stderr[-3000:]
