@@ -178,6 +178,24 @@ def test_a_disk_that_holds_the_last_checkpoint_once_still_ends_the_run_done(smal
     assert_same_run(reference, run)
 
 
+def test_a_full_disk_during_sharded_saves_is_a_line_each_and_nothing_is_left(small_disk):
+    """FSDP on 2 processes, sharded checkpoints, the disk full from step 3 to step 7: each
+    save that cannot be written is one warning (6 to 12 tracebacks and a temporary folder
+    left behind before); the run ends 0 with its last checkpoint whole."""
+    run = small_disk / "run"
+    done = run_cli(*STEPS, "--nprocs", "2", "--batch-size", "4", "--strategy", "fsdp",
+                   "--features", "2048", "--checkpoint-every-steps", "2",
+                   "--fill-disk-at-step", "3", "--free-disk-at-step", "7",
+                   "--fill-disk-leave", "0", "--run-dir", str(run), cwd=small_disk)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Traceback" not in done.stderr
+    said = [line for line in done.stderr.splitlines() if "no space left for checkpoint" in line]
+    assert len(said) == 2 and "the last good checkpoint is " in said[0], done.stderr[-3000:]
+    assert not [p.name for p in run.rglob(".*tmp*")]
+    latest = (run / "checkpoints" / "latest.dcp").resolve()
+    assert latest.name == "ckpt-000001-00000012.dcp" and (latest / ".metadata").is_file()
+
+
 def test_a_status_file_in_a_missing_folder_is_refused_before_training(tmp_path):
     run = tmp_path / "run"
     status = tmp_path / "nodir" / "status"

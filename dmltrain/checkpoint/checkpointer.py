@@ -31,6 +31,7 @@ from dmltrain.checkpoint.model_state import (
     shapes_of,
 )
 from dmltrain.checkpoint.storage import (
+    SHARDED,
     CheckpointDir,
     WriteFailed,
     checkpoint_name,
@@ -280,9 +281,14 @@ class Checkpointer:
                 shards["ema"] = saved.ema.shards()
             background = self.files.asynchronous and not must  # the last one is waited for
             group = strategy.background_group() if background else None
-            self.files.save_sharded(
-                shards, meta, epoch, state.global_step, best, strategy.barrier, background, group
-            )
+            try:  # a failure is every rank's alike (torch.distributed.checkpoint gathers it)
+                self.files.save_sharded(
+                    shards, meta, epoch, state.global_step, best, strategy.barrier, background,
+                    group,
+                )  # fmt: skip
+            except WriteFailed as exc:
+                same = self.files.directory / checkpoint_name(epoch, state.global_step, SHARDED)
+                failed, must = str(exc), must and not same.exists()
         else:
             if strategy.name == "fsdp":
                 options = _dcp().StateDictOptions(full_state_dict=True, cpu_offload=True)

@@ -76,14 +76,21 @@ def atomic_save(obj: Any, path: Path) -> None:
     _fsync_dir(path.parent)
 
 
+def _size(path: Path) -> int:
+    """A checkpoint's bytes: a file's, or a sharded directory's files'."""
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
 def _why_not_written(path: Path, exc: BaseException, written: int) -> str:
     """One line: no space (how much there is, how much a checkpoint takes) or the error;
     and the newest checkpoint that is complete."""
-    older = [p for p in list_checkpoints(path.parent) if p.is_file()]  # path: the one before
+    older = [p for p in list_checkpoints(path.parent) if p.exists()]  # path: the one before
     last = f"the last good checkpoint is {older[0]}" if older else "no checkpoint was written yet"
     if older and older[0] == path:
         last = f"the checkpoint {path}, of the same step, stands"
-    needed = older[0].stat().st_size if older else written
+    needed = _size(older[0]) if older else written
     try:
         free = shutil.disk_usage(path.parent).free
     except OSError:
@@ -97,6 +104,16 @@ def _why_not_written(path: Path, exc: BaseException, written: int) -> str:
             f"{last}"
         )
     return f"cannot write checkpoint {path} ({first_line(exc)}); {last}"
+
+
+def _first_failure(exc: BaseException) -> BaseException:
+    """The first rank's own error inside torch.distributed.checkpoint's
+    ``CheckpointException`` (whose text is every rank's traceback), else ``exc``."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = failures[min(failures)]
+        return first[0] if isinstance(first, tuple) else first
+    return exc
 
 
 def _point(link: Path, target: Path) -> None:
@@ -266,7 +283,9 @@ class CheckpointDir:
             failure, self._failure = self._failure, None
             if isinstance(failure, WriteFailed):
                 raise failure
-            raise WriteFailed(f"writing a checkpoint in {self.directory} failed: {failure}")
+            raise WriteFailed(
+                f"writing a checkpoint in {self.directory} failed: {first_line(failure)}"
+            )
 
     def _in_background(self, work: Callable[..., Any], *args: Any) -> None:
         """Run ``work`` in the one writer thread; its failure is raised at ``wait``."""
@@ -341,14 +360,20 @@ class CheckpointDir:
     ) -> None:
         """Every rank's part of a sharded save; rank 0 (``meta``) publishes it."""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException
         from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-        dcp.save(
-            shards,
-            storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True),
-            planner=DefaultSavePlanner(enable_plan_caching=True),  # the cache is torch's, by class
-            process_group=group,
-        )
+        try:
+            dcp.save(
+                shards,
+                storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True),
+                planner=DefaultSavePlanner(enable_plan_caching=True),  # torch's cache, by class
+                process_group=group,
+            )
+        except (Exception, CheckpointException) as exc:  # every rank's, gathered: all raise it
+            if meta is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise WriteFailed(_why_not_written(path, _first_failure(exc), 0)) from None
         if meta is not None:  # dcp.save returns on rank 0 once every rank's shards are written
             self._publish_sharded(tmp, path, meta, best, prune)
 
