@@ -24,7 +24,7 @@ from dmltrain.engine.assembly import TrainerSetup
 from dmltrain.engine.precision import check_available
 from dmltrain.engine.state import TrainState
 from dmltrain.engine.step import ManualStep
-from dmltrain.errors import PeerLost, SharedError, StopForRequeue, UserError
+from dmltrain.errors import PeerFailed, PeerLost, SharedError, StopForRequeue, UserError
 from dmltrain.features import images, profiling
 from dmltrain.features.builtin import Features
 from dmltrain.features.tracking import Tracker
@@ -199,6 +199,15 @@ class BaseTrainer(TrainerSetup):
                 if bad_data is not None:
                     raise bad_data from None
                 raise
+            event = rundir.alone(self.run_dir) if hasattr(self, "run_dir") else None
+            if isinstance(lost, PeerLost) and event is not None:
+                raise PeerFailed(
+                    f"rank 0 stopped inside the callback event {event}, which only rank 0 "
+                    "runs: a collective called there (a barrier, an all_reduce, ...) waits for "
+                    "the other ranks, which never enter it, or meets their next one; call it "
+                    "in an event every rank runs (on_step_end), or none there. A bug, not a "
+                    "lost node: nothing is requeued"
+                ) from exc
             if isinstance(lost, PeerLost):  # where a rank hangs, when the watchdog knows
                 lost = self._features.explain(lost)
             raise lost from exc

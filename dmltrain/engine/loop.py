@@ -32,6 +32,7 @@ from dmltrain.features.builtin import Features
 from dmltrain.features.monitor import Monitor, StepClock
 from dmltrain.features.tracking import Tracker
 from dmltrain.hooks import TrainerHooks
+from dmltrain.records import rundir
 from dmltrain.records.files import NotWritten
 from dmltrain.records.training_log import write_training_log
 from dmltrain.runtime import preemption
@@ -230,7 +231,10 @@ class TrainingLoop(TrainerHooks):
         if self._precision.scale is not None:
             values["grad_scale"] = float(self._precision.scale)
             values["skipped_steps"] = int(self._precision.skipped)
-        self._fire(self._events.on_log, values)
+        if self.dist.world_size > 1 and self._events.on_log:
+            self._alone("on_log", values)
+        else:
+            self._fire(self._events.on_log, values)
         if self._tracker.active:
             self._tracker.log({f"train/{k}": v for k, v in values.items()}, s.global_step)
 
@@ -278,6 +282,17 @@ class TrainingLoop(TrainerHooks):
         self._fire(self._events.on_epoch_end, row)
         self._state.end_epoch()
         self._epochs_this_job += 1
+
+    def _alone(self, event: str, *args: Any) -> None:
+        """``event``, which rank 0 alone runs, marked as such while it runs (for the hang
+        watchdog and for the ranks that find rank 0 gone: ``rundir.alone_in``)."""
+        clock = self._step_clock
+        clock.alone_in = event
+        try:
+            with rundir.alone_in(self.run_dir, event):
+                self._fire(getattr(self._events, event), *args)
+        finally:
+            clock.alone_in = None
 
     def _lr(self) -> float:
         """The learning rate shown and logged: the first optimizer's first group's."""

@@ -100,6 +100,7 @@ class StepClock:
     slowest = 0.0  # the longest step so far, in seconds
     steps_done = 0
     inside_since: float | None = None  # when the running train_step started
+    alone_in: str | None = None  # the callback event only this rank runs, while in it
 
     def restart(self) -> None:
         """A new interval starts now (after validation, at an epoch's start)."""

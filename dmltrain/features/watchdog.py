@@ -35,6 +35,7 @@ import contextlib
 import faulthandler
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -176,7 +177,7 @@ class Watchdog:
                 if self._report_a_culprit(waited):
                     return
             elif stalled_at is not None and (self.directory / "report.txt").exists():
-                self.leave(EXIT_PEER_LOST)  # another rank reported in rank 0's place
+                self.leave(_reported(self.directory / "report.txt"))  # in rank 0's place
                 return
             elif stalled_at is not None and waited > self.timeout() + self.grace:
                 # no collective gave up (that path reports, in ``explain``): stop here
@@ -192,6 +193,7 @@ class Watchdog:
             "host": self.host,
             "steps": self.clock.steps_done,
             "in_train_step_s": None if inside is None else time.perf_counter() - inside,
+            "alone_in": self.clock.alone_in,  # a callback event only this rank runs
             "written_at": time.time(),  # the wall clock: the files are read on other hosts
         }
         main = compat.main_thread_frame()
@@ -224,7 +226,7 @@ class Watchdog:
             while not report.exists() and time.monotonic() < deadline:
                 time.sleep(0.2)
             if report.exists():
-                self.leave(EXIT_PEER_LOST)
+                self.leave(_reported(report))
                 return True
             below = (self.directory / f"rank-{r}.txt" for r in range(self.rank))
             if any(path.exists() for path in below):
@@ -236,15 +238,18 @@ class Watchdog:
         return True
 
     def _leave_with(self, report: Path, waited: float, where: str, steps: int) -> None:
+        bug = "which only it runs" in where  # a rank alone in a callback event: not requeued
+        status = 1 if bug else EXIT_PEER_LOST
+        then = "fix the callback" if bug else "requeue to resume from the last checkpoint"
         line = (
             f"dmltrain: hang: no step ended for {waited:.0f} s (timeout "
             f"{self.timeout():.0f} s, after {steps} step(s)): {where}; exit status "
-            f"{EXIT_PEER_LOST}: requeue to resume from the last checkpoint"
+            f"{status}: {then}"
         )
         report.write_text(line + "\n")
         self.say(line)
         time.sleep(1.0)  # the others see the report and leave first: no rank is killed
-        self.leave(EXIT_PEER_LOST)
+        self.leave(status)
 
     def _stop_run(self, waited: float) -> None:
         """Every rank stuck outside collectives: rank 0 says where, all leave with 5."""
@@ -256,7 +261,7 @@ class Watchdog:
             deadline = time.monotonic() + 2 * GATHER_SECONDS
             while not report.exists() and time.monotonic() < deadline:
                 time.sleep(0.2)
-        self.leave(EXIT_PEER_LOST)
+        self.leave(_reported(report))
 
     def explain(self, lost: PeerLost) -> PeerLost:
         """A collective gave up waiting for a peer: after a hang's stacks were written, the
@@ -285,15 +290,13 @@ class Watchdog:
             time.sleep(0.2)
         most = Counter(r["steps"] for r in found.values()).most_common(1)[0][0]
         now = time.time()
-        odd = [r for r in found.values() if r["steps"] != most or r["in_train_step_s"] is not None]
+        odd = [
+            r
+            for r in found.values()
+            if r["steps"] != most or r["in_train_step_s"] is not None or r.get("alone_in")
+        ]
         parts = [
-            f"rank {r['rank']} on {r['host']} "
-            + (
-                f"is inside train_step for {r['in_train_step_s'] + now - r['written_at']:.0f} s"
-                if r["in_train_step_s"] is not None
-                else f"is after {r['steps']} step(s)"
-            )
-            + f" at {r['frame']}"
+            f"rank {r['rank']} on {r['host']} {_state(r, now)} at {r['frame']}"
             for r in sorted(odd, key=lambda r: r["rank"])
         ]
         silent = [rank for rank in range(self.world_size) if rank not in found]
@@ -311,6 +314,28 @@ class Watchdog:
         ]
         more = len(ranks) - SILENT_NAMED
         return ", ".join(shown) + (f" and {more} more" if more > 0 else "")
+
+
+def _state(rank: dict[str, Any], now: float) -> str:
+    """Where a rank that is not where the others are stands, from its file's first line."""
+    if rank.get("alone_in"):
+        return (
+            f"is inside the callback event {rank['alone_in']}, which only it runs (a "
+            "collective there waits for ranks that never enter it: a bug, not requeued)"
+        )
+    if rank["in_train_step_s"] is not None:
+        inside = rank["in_train_step_s"] + now - rank["written_at"]
+        return f"is inside train_step for {inside:.0f} s"
+    return f"is after {rank['steps']} step(s)"
+
+
+def _reported(report: Path) -> int:
+    """The exit status the reporting rank's line in ``report`` names; a lost peer's if none."""
+    with contextlib.suppress(OSError):
+        found = re.search(r"; exit status (\d+):", report.read_text())
+        if found:
+            return int(found.group(1))
+    return EXIT_PEER_LOST
 
 
 def _user_frame(frames: Iterable[traceback.FrameSummary]) -> str:

@@ -13,7 +13,7 @@ import itertools
 import json
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -163,6 +163,8 @@ def choose(
         if error is None and not evaluating:
             held, error = _hold(path, wait)
             error = error or _taken(path, resume)
+            if error is None:  # a job whose rank 0 stopped inside such an event left it
+                (path / ALONE).unlink(missing_ok=True)
         decision = (str(path), error)
     chosen, error = broadcast(decision)
     if error:
@@ -228,6 +230,35 @@ def write_records(run_dir: Path, config_yaml: str, info: dict[str, Any]) -> str:
     path = run_dir / "diagnostics.json"
     diagnostics.write(info, path)
     return diagnostics.summary(info, path)
+
+
+ALONE = ".alone-rank-0"  # rank 0 is inside an event only it runs (``alone_in``)
+
+
+@contextlib.contextmanager
+def alone_in(run_dir: Path, event: str) -> Iterator[None]:
+    """Rank 0 inside ``event``, a callback event only it runs, said in ``RUN_DIR/ALONE``
+    while it lasts: a collective called there waits for ranks that never enter it, or
+    pairs with their next one (Gloo then aborts the process). The ranks that find rank 0
+    gone read it (``alone``) and say so, instead of a lost node."""
+    marker = run_dir / ALONE
+    try:
+        marker.write_text(event)
+    except OSError:  # a full disk: the event runs all the same
+        yield
+        return
+    try:
+        yield
+    finally:
+        marker.unlink(missing_ok=True)
+
+
+def alone(run_dir: Path) -> str | None:
+    """The event rank 0 was alone in when it stopped (``alone_in``), or None."""
+    try:
+        return (run_dir / ALONE).read_text().strip() or None
+    except OSError:
+        return None
 
 
 def write_outcome(run_dir: Path, exc: BaseException | None, global_step: int) -> None:

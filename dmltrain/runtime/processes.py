@@ -43,6 +43,11 @@ FORKSERVER_PRELOAD = ("torch", "torch._dynamo", "dmltrain.runtime.forkserver_exi
 # does (every rank stops at the same step). One still
 # running then is stuck (e.g. connecting to a rendezvous that never answers).
 LEAVING_GRACE_SECONDS = {EXIT_REQUEUE: 60.0, EXIT_BAD_INPUT: 10.0, EXIT_NONFINITE: 10.0}
+# Signals by which a process ends itself (an abort, a bad memory access): a crash of the
+# rank's own code, not a node lost. The others get to say what they saw before they are
+# stopped (their roll call waits up to 10 s for the crashed rank).
+CRASHES = ("SIGABRT", "SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE")
+LEAVING_GRACE_SECONDS.update({-int(signal.Signals[name]): 20.0 for name in CRASHES})
 
 
 def spawn(
@@ -104,6 +109,13 @@ def spawn(
                 raise RankFailed("said by the ranks", said, said=True)
         context.join()  # raises for the first that failed, and stops the others
     except mp.ProcessExitedException as exc:
+        if exc.signal_name in CRASHES:
+            raise RankFailed(
+                f"rank {first_rank + exc.error_index} crashed ({exc.signal_name}: its own "
+                "native code, or a library's, ended it; its output and the other ranks' lines "
+                "above say where); not a lost node, so nothing is requeued (exit status 1)",
+                1,
+            ) from None
         if exc.signal_name:  # killed from outside (the OOM killer, kill -9): a lost peer
             raise RankFailed(
                 f"rank {first_rank + exc.error_index} was killed by {exc.signal_name}; the "

@@ -146,3 +146,60 @@ def test_with_nccl_a_hang_also_dumps_the_flight_recorder(tmp_path):
     assert "time.sleep(o.pause_seconds)" in (hang / "rank-0.txt").read_text()
     record = pickle.loads((hang / "nccl-rank-0.pkl").read_bytes())
     assert record["entries"], record.keys()  # setup's all-gather at least
+
+
+ALONE = """
+import time
+
+import torch
+import torch.distributed as dist
+from tiny import TinyOptions, TinyTrainer
+
+from dmltrain import Callback, register_experiment
+
+
+class ReduceInOnLog(Callback):
+    \"\"\"A collective in on_log, which only rank 0 runs ('wait' stands for one that
+    never returns, as NCCL's does; Gloo's meets the others' next one and aborts).\"\"\"
+
+    def __init__(self, wait):
+        self.wait = wait
+
+    def on_log(self, trainer, values):
+        if self.wait:
+            time.sleep(600)
+        dist.all_reduce(torch.ones(1))
+
+
+class Alone(TinyTrainer):
+    def create_callbacks(self):
+        return [*super().create_callbacks(), ReduceInOnLog(self.opts.dropout > 0)]
+
+
+EXPERIMENT = register_experiment("alone", Alone, TinyOptions)
+"""
+
+
+@pytest.mark.parametrize("kind", ["abort", "hang"])
+def test_a_collective_in_on_log_is_named_as_a_bug_not_a_lost_node(tmp_path, kind):
+    """A callback calls a collective in on_log, which rank 0 alone runs: Gloo aborts rank 0
+    (its all_reduce meets rank 1's next one), or, where such a call never returns, the
+    watchdog finds the ranks stalled. Either way the run names on_log and ends with status
+    1, which the batch scripts do not requeue (it said a lost node, exit 5)."""
+    experiment = tmp_path / "alone.py"
+    experiment.write_text(ALONE)
+    wait = ["--dropout", "0.1", "--hang-timeout", "3"] if kind == "hang" else []
+    done = run_cli(str(experiment), "--nprocs", "2", "--batch-size", "4", "--epochs", "1",
+                   "--log-every", "2", "--progress", "off", "--dist-timeout", "60", *wait,
+                   "--run-dir", str(tmp_path / "run"), cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 1, done.stderr[-3000:]
+    if kind == "abort":
+        said = "rank 0 stopped inside the callback event on_log, which only rank 0 runs"
+        assert said in done.stderr and "nothing is requeued" in done.stderr, done.stderr[-3000:]
+        assert "rank 0 crashed (SIGABRT" in done.stderr
+    else:
+        (line,) = [line for line in done.stderr.splitlines() if "hang:" in line]
+        assert "rank 0 on " in line and "inside the callback event on_log" in line, line
+        assert "alone.py:" in line and "exit status 1: fix the callback" in line, line
+    assert "exit status 5" not in done.stderr
+    assert (tmp_path / "run" / ".alone-rank-0").read_text() == "on_log"  # the next job's to clear
