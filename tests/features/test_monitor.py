@@ -4,6 +4,7 @@ processes a rank slowed on purpose is named (with whether data or compute made i
 while a healthy run names nobody."""
 
 import csv
+import json
 import struct
 import time
 
@@ -257,3 +258,16 @@ def test_mnist_on_a_gpu_logs_its_mfu(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     rows = list(csv.DictReader((tmp_path / "run" / "steps.csv").open()))
     assert rows and all(0 < float(row["mfu"]) < 1 for row in rows), rows[:2]
+
+
+def test_the_stall_hint_counts_the_cpus_the_process_has(tmp_path):
+    """--num-workers 2 on this machine's cores: the hint names the CPUs the process has of
+    its own (on 2 cores it said 3: its one thread and the two workers)."""
+    done = run_cli("tiny", "--epochs", "1", "--batch-size", "8", "--num-workers", "2",
+                   "--log-every", "2", "--data-sleep", "0.005", "--progress", "off",
+                   "--run-dir", "run", cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    (line,) = [line for line in done.stderr.splitlines() if "bottleneck" in line]
+    diagnostics = json.loads((tmp_path / "run" / "diagnostics.json").read_text())
+    share = diagnostics["ranks"][0]["cpu_share"]
+    assert f"this process has {share} CPU(s) of its own" in line, (line, share)
