@@ -41,6 +41,7 @@ BENCHMARKS = [
     "streaming",
     "big_models",
     "ranks",
+    "step_counts",
 ]
 
 
@@ -109,6 +110,16 @@ def targets(reports: dict) -> list[tuple[str, str, str, bool]]:
         if r is not None:  # results written before this row existed have none
             rows.append(("async sharded checkpoint blocking vs sync save, one rank's part at "
                          "1,024 ranks", f"{r:.2f}x", "<= 0.10x", r <= 0.1))  # fmt: skip
+    counts = reports.get("step_counts", {}).get("counts", {})
+    if counts:
+        base = counts["plain"]["reads"]
+        over = {k: v["reads"] - base for k, v in counts.items() if k not in ("plain", "log-every")}
+        most = max(over.values())
+        worst = [k for k, v in over.items() if v == most]
+        rest = max([0.0] + [v for k, v in over.items() if k not in worst])
+        rows.append(("host reads a step beyond the plain loop, every configuration",
+                     f"{most:+.2f} ({', '.join(worst)}; the others {rest:+.2f})", "+0",
+                     most <= 0))  # fmt: skip
     nan = reports.get("nan_check", {}).get("ratios", {})
     if nan:
         r = nan["nan-check: on / off"]
