@@ -587,8 +587,14 @@ class Checkpointer:
         lr_was, lr = saved.get("lr"), now.get("lr")
         decay_was, decay = saved.get("weight_decay"), now.get("weight_decay")
         for optimizer in self.saved.optimizers:
+            defaults = getattr(optimizer, "defaults", {})
             for group in optimizer.param_groups:
-                missing = sorted(set(getattr(optimizer, "defaults", {})) - set(group))
+                # a switch a newer torch added (foreach, fused, ...) takes its default; a
+                # missing setting (momentum, betas) is another optimizer's state
+                for key in set(defaults) - set(group):
+                    if isinstance(defaults[key], bool) or defaults[key] is None:
+                        group[key] = defaults[key]
+                missing = sorted(set(defaults) - set(group))
                 if missing:
                     raise UserError(
                         f"the optimizer state in {path} is another optimizer's (its param "
