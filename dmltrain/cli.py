@@ -207,7 +207,11 @@ _SCALARS = (int, float, str, bool)
 def _check_option_types(name: str, config_cls: type) -> None:
     """Each option's type is one a flag can give (docs/experiments.md): int, float, str,
     bool, a Literal of one of those, X | None, or a list or tuple of int, float or str."""
-    for option, kind in typing.get_type_hints(config_cls).items():
+    try:
+        hints = typing.get_type_hints(config_cls)
+    except Exception:  # a name the annotations use that cannot be resolved: argparse says
+        return
+    for option, kind in hints.items():
         if option not in field_names(config_cls):
             continue
         plain = [a for a in typing.get_args(kind) if a is not type(None)]
@@ -418,7 +422,10 @@ def _experiment_flags(experiment: Experiment) -> list[Any]:  # argparse.Argument
 def _given(values: dict[str, Any], cls: type) -> dict[str, Any]:
     """The fields of ``cls`` set by a flag or the config file (the rest keep their defaults);
     a file's list for a tuple option becomes a tuple."""
-    hints = typing.get_type_hints(cls)
+    try:
+        hints = typing.get_type_hints(cls)
+    except Exception:
+        hints = {}
     given = {
         name: values[name]
         for name in field_names(cls)
