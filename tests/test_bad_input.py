@@ -2,6 +2,7 @@
 its documented exit status, and what was in the run directory before is there after,
 byte for byte. (The Slurm side, a failing rank's job not requeued: test_slurm.)"""
 
+import contextlib
 import json
 import shutil
 import subprocess
@@ -398,17 +399,24 @@ def test_resume_from_what_is_not_a_checkpoint_says_what_to_pass(finished, tmp_pa
     assert contents(run) == before
 
 
+@contextlib.contextmanager
+def read_only(directory: Path):
+    """``directory`` mounted over itself read-only, read-only for root too (needs root, as
+    in CI), while the block runs."""
+    subprocess.run(["mount", "--bind", str(directory), str(directory)], check=True)
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(directory)], check=True)
+        yield
+    finally:
+        subprocess.run(["umount", str(directory)], check=True)
+
+
 def test_resuming_into_a_read_only_run_directory_is_one_line(finished, tmp_path):
     run = tmp_path / "run"
     subprocess.run(["cp", "-a", str(finished), str(run)], check=True)
     before = contents(run)
-    # a read-only mount of it, read-only for root too (needs root, as in CI)
-    subprocess.run(["mount", "--bind", str(run), str(run)], check=True)
-    try:
-        subprocess.run(["mount", "-o", "remount,ro,bind", str(run)], check=True)
+    with read_only(run):
         done = run_cli(*STEPS, "--epochs", "2", "--run-dir", str(run), cwd=tmp_path)
-    finally:
-        subprocess.run(["umount", str(run)], check=True)
     assert done.returncode == 2, done.stderr[-3000:]
     assert f"cannot write in the run directory {run}: Read-only" in one_error(done.stderr)
     assert contents(run) == before
@@ -632,12 +640,8 @@ def test_a_read_only_run_directory_on_two_processes_is_one_line(tmp_path):
     stacks and 'exit status 5'."""
     run = tmp_path / "run"
     run.mkdir()
-    subprocess.run(["mount", "--bind", str(run), str(run)], check=True)
-    try:
-        subprocess.run(["mount", "-o", "remount,ro,bind", str(run)], check=True)
+    with read_only(run):
         done = run_cli(*STEPS, "--nprocs", "2", "--run-dir", str(run), cwd=tmp_path)
-    finally:
-        subprocess.run(["umount", str(run)], check=True)
     assert done.returncode == 2, done.stderr[-3000:]
     assert done.stderr.strip() == (
         f"dmltrain: error: cannot write in the run directory {run}: Read-only file system; "
