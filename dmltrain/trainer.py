@@ -24,7 +24,14 @@ from dmltrain.engine.assembly import TrainerSetup
 from dmltrain.engine.precision import check_available
 from dmltrain.engine.state import TrainState
 from dmltrain.engine.step import ManualStep
-from dmltrain.errors import PeerFailed, PeerLost, SharedError, StopForRequeue, UserError
+from dmltrain.errors import (
+    NonFiniteError,
+    PeerFailed,
+    PeerLost,
+    SharedError,
+    StopForRequeue,
+    UserError,
+)
 from dmltrain.features import images, profiling
 from dmltrain.features.builtin import Features
 from dmltrain.features.tracking import Tracker
@@ -193,7 +200,7 @@ class BaseTrainer(TrainerSetup):
             self._tracker.finish()
             lost = self.strategy.lost_peer(exc)
             if lost is None:  # this rank's own failure (or every rank's at once)
-                if not isinstance(exc, SharedError):  # every rank knows that one
+                if not isinstance(exc, (SharedError, NonFiniteError)):  # every rank's own
                     self.strategy.announce_failure(exc)
                 bad_data = contract.data(exc)
                 if bad_data is not None:

@@ -631,7 +631,8 @@ def test_a_nan_stop_on_two_processes_is_one_line(tmp_path):
                    cwd=tmp_path)  # fmt: skip
     assert done.returncode == 4, done.stderr[-3000:]
     said = [line for line in done.stderr.splitlines() if line.strip()]
-    assert len(said) == 1 and said[0].startswith("dmltrain: stopped: NaN check:"), said
+    assert len(said) == 1, done.stderr[-3000:]
+    assert said[0].startswith("dmltrain: stopped: NaN check:"), said
 
 
 def test_a_read_only_run_directory_on_two_processes_is_one_line(tmp_path):
