@@ -240,21 +240,22 @@ def test_a_bad_setting_of_the_script_is_one_line_and_no_requeue(slurm, tmp_path)
     assert "integer expression expected" not in log and "epoch 1/" not in log
 
 
+@pytest.mark.parametrize("sent", ["USR1", "TERM"])
 def test_a_signal_to_the_batch_shell_alone_checkpoints_requeues_and_ends_equal(
-    slurm, tiny_reference, tmp_path
+    slurm, tiny_reference, tmp_path, sent
 ):
-    """``scancel --signal=USR1 --batch`` (as ``#SBATCH --signal=B:USR1@...`` sends it): the
-    batch script passes it on to the training processes, which checkpoint; the job
-    requeues into the same run and ends bitwise equal, where the script died of it (the
-    job FAILED, and a new sbatch began a new run from step 0)."""
+    """``scancel --signal=USR1 --batch`` (as ``#SBATCH --signal=B:USR1@...`` sends it), or
+    TERM: the batch script passes USR1 on to the training processes, which checkpoint;
+    the job requeues into the same run and ends bitwise equal, where the script died of it
+    (the job FAILED, and a new sbatch began a new run from step 0)."""
     job = sbatch(tmp_path, *TINY, "--step-sleep", "0.4")
     run = tmp_path / "runs" / f"tiny-{job}"
     out = tmp_path / "job.out"
     wait_for(lambda: out.exists() and "epoch 1/3 step 3/" in out.read_text(), 120, "training")
-    subprocess.run(["scancel", "--signal=USR1", "--batch", job], check=True)
+    subprocess.run(["scancel", f"--signal={sent}", "--batch", job], check=True)
     release_requeues_until_done(job, tmp_path)
     log = out.read_text()
-    assert "the batch script received SIGUSR1; passing SIGUSR1" in log, log[-3000:]
+    assert f"the batch script received SIG{sent}; passing SIGUSR1" in log, log[-3000:]
     assert "preempted (SIGUSR1)" in log and "checkpoint saved, requeueing job" in log
     assert job_field(job, "Restarts") == "1" and job_field(job, "JobState") == "COMPLETED"
     assert_same_run(tiny_reference, run)
