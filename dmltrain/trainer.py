@@ -206,8 +206,9 @@ class BaseTrainer(TrainerSetup):
                 if bad_data is not None:
                     raise bad_data from None
                 raise
-            event = rundir.alone(self.run_dir) if hasattr(self, "run_dir") else None
-            if isinstance(lost, PeerLost) and event is not None:
+            alone = isinstance(lost, PeerLost) and hasattr(self, "run_dir")
+            event = rundir.alone(self.run_dir) if alone else None  # rank 0 stopped inside it
+            if event is not None:
                 raise PeerFailed(
                     f"rank 0 stopped inside the callback event {event}, which only rank 0 "
                     "runs: a collective called there (a barrier, an all_reduce, ...) waits for "

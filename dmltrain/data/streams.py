@@ -153,13 +153,9 @@ class TrainFeed:
             if fresh:
                 self._iterator = begin_pass(self.loader, self.passes)
                 self.passes += 1
-            empty = True
-            for batch in self._iterator:  # type: ignore[union-attr]
-                empty = False
-                yield batch
+            assert self._iterator is not None
+            yield from self._yields(self._iterator) if fresh else self._iterator
             self._iterator = None
-            if empty and fresh:
-                raise self._empty()
 
     def _yields(self, batches: Iterator[Any]) -> Iterator[Any]:
         """``batches``, a whole pass, which must hold one at least: a pass that yields

@@ -48,7 +48,7 @@ class ZarrWindows(IterableDataset):
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.epoch = 0  # the pass, for the shuffle
         self.position = 0  # samples of this worker's share of the pass yielded
-        steps = _open(self.path, self.variables)[0].shape[0]  # the metadata only
+        steps = _open(self.path, self.variables, strict=False)[0].shape[0]  # metadata only
         self.samples = max(steps - window - lead + 1, 0)
         if self.samples < world_size:
             raise UserError(
@@ -137,14 +137,17 @@ def _strict(store: Any, path: str) -> Any:
     return Strict(store)
 
 
-def _open(path: str, variables: list[str]) -> list[Any]:
+def _open(path: str, variables: list[str], strict: bool = True) -> list[Any]:
+    """The arrays ``variables`` of the group at ``path``; ``strict``: read through
+    ``_strict`` (which lists the store's chunks once: not for a look at the metadata)."""
     try:
         import zarr
     except ImportError:
         raise UserError("ZarrWindows needs zarr: pip install 'dmltrain[zarr]'") from None
     try:
         group = zarr.open_group(path, mode="r")
-        group = zarr.open_group(store=_strict(group.store, path), mode="r")
+        if strict:
+            group = zarr.open_group(store=_strict(group.store, path), mode="r")
     except (FileNotFoundError, ValueError, OSError) as exc:
         raise UserError(f"{path} is not a zarr group that can be read: {exc}") from None
     missing = [v for v in variables if v not in group]
