@@ -173,3 +173,11 @@ def checkpoint_module(module: nn.Module, recomputing: Callable[[], Any] | None =
         checkpoint(module)
     else:
         checkpoint(module, context_fn=lambda: (contextlib.nullcontext(), recomputing()))
+
+
+def fused_devices() -> list[str]:
+    """The device types with fused optimizer kernels (Adam, AdamW, SGD, Adagrad) in this
+    torch (``_get_fused_kernels_supported_devices``: no public list)."""
+    from torch.optim.optimizer import _get_fused_kernels_supported_devices
+
+    return list(_get_fused_kernels_supported_devices())

@@ -39,7 +39,7 @@ def plain(out: Path) -> dict:
     random.seed(SEED)
     np.random.seed(SEED)
     torch.manual_seed(SEED)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)  # as the default
     data = dataset()
     for epoch in range(EPOCHS):
         order = torch.randperm(len(data), generator=torch.Generator().manual_seed(SEED + epoch))

@@ -184,3 +184,17 @@ def test_fit_ends_its_loader_workers_before_it_returns(tmp_path):
     trainer, _ = fit(tmp_path, epochs=1, num_workers=2)
     assert trainer.train_loader._iterator is None and trainer.val_loader._iterator is None
     assert multiprocessing.active_children() == []
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_gpu_loader_pins_memory_only_where_workers_fill_it(workers):
+    """No GPU here: the trainer is told its device is one (the loader is only built); with
+    no workers the loop itself would pin, one more copy of each batch."""
+    from dmltrain.config import DistConfig
+    from dmltrain.runtime.distributed import Strategy
+
+    trainer = TinyTrainer(TrainConfig(num_workers=workers), TinyOptions(), dist=DistInfo())
+    trainer.device = torch.device("cuda")
+    trainer.strategy = Strategy(trainer.dist, DistConfig())
+    dataset = trainer.create_datasets()[0]
+    assert trainer.create_dataloader(dataset, train=True).pin_memory is (workers > 0)

@@ -109,6 +109,9 @@ class TinyOptions:
                   "by train_step, which calls the layers one by one (manual); bypass: auto, "
                   "calling the layers one by one (a mistake under DDP)"},
     )  # fmt: skip
+    fused: bool = field(
+        default=False, metadata={"help": "--two-optimizers fused (they skip a NaN on the device)"}
+    )
     own_names: bool = field(
         default=False,
         metadata={"help": "the trainer keeps its own step, monitor, state, budget and progress "
@@ -458,8 +461,10 @@ class TinyTrainer(BaseTrainer):
         if not self.opts.two_optimizers:
             return super().create_optimizer(model)
         layers = [m for m in self.unwrapped_model if isinstance(m, nn.Linear)]
-        return [torch.optim.Adam(layers[0].parameters(), lr=1e-3),
-                torch.optim.SGD(layers[-1].parameters(), lr=1e-2, momentum=0.9)]  # fmt: skip
+        fused = self.opts.fused or None
+        return [torch.optim.Adam(layers[0].parameters(), lr=1e-3, fused=fused),
+                torch.optim.SGD(layers[-1].parameters(), lr=1e-2, momentum=0.9,
+                                fused=fused)]  # fmt: skip
 
     def create_scheduler(self, optimizer):
         lr = torch.optim.lr_scheduler
@@ -562,6 +567,8 @@ class TinyTrainer(BaseTrainer):
             for layer in self.model:
                 x = layer(x)
             loss = F.mse_loss(x, y)
+            if self._injecting("loss"):
+                loss = loss * float("nan")
             self.backward(loss)
             for optimizer in self.optimizers:
                 self.optimizer_step(optimizer)

@@ -51,6 +51,8 @@ from dmltrain.runtime.distributed import Strategy, unwrap
 
 # Settings whose change a resume handles itself (the global batch, _resized) or that
 # name where the run is, not how it trains.
+# an optimizer's settings of how its update runs, not of what it computes
+_EXECUTION = frozenset({"foreach", "fused", "capturable", "differentiable"})
 _RESUME_OWN = frozenset(
     {"resume", "run_dir", "nprocs", "batch_size", "global_batch_size", "grad_accum",
      "num_workers", "launcher", "status_file", "allow_global_batch_change"}
@@ -594,6 +596,10 @@ class Checkpointer:
                 for key in set(defaults) - set(group):
                     if isinstance(defaults[key], bool) or defaults[key] is None:
                         group[key] = defaults[key]
+                # how the update runs is this run's choice, not the checkpoint's: a CPU run
+                # resumed on a GPU runs fused there (and skips non-finite steps on it)
+                for key in _EXECUTION & set(defaults):
+                    group[key] = defaults[key]
                 missing = sorted(set(defaults) - set(group))
                 if missing:
                     raise UserError(

@@ -24,9 +24,10 @@ from dmltrain.data import rng, samples, streams
 from dmltrain.data.streams import TrainFeed
 from dmltrain.engine import contract, evaluation, metric_objects
 from dmltrain.engine.budget import Budget, epochs_to_run, total_steps
+from dmltrain.engine.compiling import CompileCache, compile_model
 from dmltrain.engine.loop import TrainingLoop
 from dmltrain.engine.nan import NanChecker
-from dmltrain.engine.precision import Precision
+from dmltrain.engine.precision import Precision, set_matmul_precision
 from dmltrain.engine.progress import Progress
 from dmltrain.engine.state import TrainState
 from dmltrain.engine.step import ManualStep, OptimizerStep, check_first_forward
@@ -94,6 +95,7 @@ class TrainerSetup(TrainingLoop):
         torch.set_num_threads(self._ranks[dist.rank]["threads"])
         self.config = cfg = cfg.replace(num_workers=self._ranks[dist.rank]["workers"])  # no "auto"
         self._precision = Precision(cfg.numerics.precision, self.device)
+        set_matmul_precision(cfg.numerics.matmul_precision, self.device)
         profiler = self._profiler_feature()  # before the model: its memory is recorded
         self._features = Features([profiler] if profiler is not None else [])
         torch.manual_seed(loop.seed)  # the same initial weights on every rank
@@ -119,7 +121,8 @@ class TrainerSetup(TrainingLoop):
         if ema is not None and avg.ema_eval and self._best_metric.startswith("val_"):
             self._best_metric = "val_ema_" + self._best_metric[4:]
         if loop.compile:
-            self.model = torch.compile(self.model)  # type: ignore[assignment]
+            say = self._progress.info if dist.is_main else print_none
+            self.model = compile_model(self.model, unwrap(self.model), self.run_dir, say)
         self._setup_data()
         metrics = self.create_metrics()  # torchmetrics objects (metric_objects)
         self._evaluator = evaluation.Evaluator(
@@ -197,7 +200,7 @@ class TrainerSetup(TrainingLoop):
             self.warn,
         )
         # the listeners as they are when a checkpoint is taken or loaded
-        self._checkpointer.before_save = lambda: self._fire(self._events.on_save_checkpoint)
+        self._checkpointer.before_save = self._before_save
         self._checkpointer.loaded = lambda path: self._fire(self._events.on_load_checkpoint, path)
         self._checkpointer.restore()
         self.strategy.started()
@@ -220,7 +223,8 @@ class TrainerSetup(TrainingLoop):
         steps_log = self._start_records(plain)
         # Run order, part of the bitwise promise: the EMA update first at a step's end.
         ema_feature = None if ema is None else EmaFeature(ema, avg.ema_eval)
-        built_in = [f for f in (ema_feature, profiler, watchdog, steps_log) if f is not None]
+        cache = CompileCache(self.run_dir, self.warn) if loop.compile and dist.is_main else None
+        built_in = [f for f in (ema_feature, profiler, watchdog, steps_log, cache) if f is not None]
         self._features = Features(built_in)
         self._checkpointer.quiet = self._features.quiet
         self._events = Events([*built_in, *callbacks])
@@ -230,9 +234,8 @@ class TrainerSetup(TrainingLoop):
         updates (``manual_optimization``)."""
         loop, checks = self.config.loop, self.config.numerics
         nan_checker = self._nan_checker
-        on_nan = lambda event: nan_checker.act(  # type: ignore[union-attr]  # noqa: E731
-            event, checks.on_nan, self._progress.info, self._checkpointer.newest
-        )
+        if nan_checker is not None and self._precision.scaler is None:  # else the scaler's
+            nan_checker.wait_for(self.optimizers, self._progress.info)
         parts: dict[str, Any] = dict(
             train_step=self._step_clock.timed(self.train_step),
             model=self.model,
@@ -245,7 +248,7 @@ class TrainerSetup(TrainingLoop):
             grad_clip=loop.grad_clip,
             detect_anomaly=checks.detect_anomaly,
             nan_checker=nan_checker,
-            on_nan=on_nan,
+            settle=self._settle,
             # the callbacks' on_before_optimizer_step, bound to the trainer
             before_update=tuple(
                 partial(call, self) for call in self._events.on_before_optimizer_step

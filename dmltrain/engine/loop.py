@@ -22,7 +22,7 @@ from dmltrain.data.streams import TrainFeed
 from dmltrain.engine import evaluation
 from dmltrain.engine.batches import chunks
 from dmltrain.engine.budget import Budget, Done
-from dmltrain.engine.nan import NanEvent
+from dmltrain.engine.nan import NanChecker, RollBack
 from dmltrain.engine.precision import Precision
 from dmltrain.engine.progress import Progress
 from dmltrain.engine.state import TrainState
@@ -64,6 +64,7 @@ class TrainingLoop(TrainerHooks):
     _budget: Budget  # when the run is done: epochs, steps, time, early stopping
     _precision: Precision
     _step: OptimizerStep | ManualStep  # one optimizer step (dmltrain.engine.step)
+    _nan_checker: NanChecker | None  # --check-nans: settled with the metrics and at saves
     _evaluator: evaluation.Evaluator  # validation, --evaluate and --predict over a loader
     _events: Events  # the callbacks' listeners, built-in features first
     _features: Features  # the built-in features' own points
@@ -109,23 +110,24 @@ class TrainingLoop(TrainerHooks):
                 s.epoch_began = s.seconds()
             self.on_epoch_start(epoch)
             self._fire(self._events.on_epoch_start)
-            outcome = self._train_epoch()
-            if isinstance(outcome, NanEvent):  # --on-nan rollback
-                self._checkpointer.rollback(outcome.epoch, outcome.step)
+            try:
+                outcome = self._train_epoch()
+                if isinstance(outcome, str):  # preempted; the checkpoint is saved
+                    return outcome
+                best, done = False, None
+                if not (outcome and outcome.validated):
+                    with self._features.quiet():
+                        row, best, done = self._epoch_row(epoch, partial=outcome is not None)
+                        if outcome is None:
+                            self._close_epoch(epoch, row)
+                timed = budget.time_agreed(self.strategy.max_over_ranks)
+                done = done or (outcome and outcome.reason) or budget.reason(timed)
+                stop = None if done else budget.job_done(self._epochs_this_job)
+                last = s.epoch >= epochs or done is not None
+                self._checkpointer.save(best, must=stop is not None or last)  # each epoch's end
+            except RollBack as back:  # --on-nan rollback, settled in the epoch or at its end
+                self._checkpointer.rollback(back.event.epoch, back.event.step)
                 continue
-            if isinstance(outcome, str):  # preempted; the checkpoint is saved
-                return outcome
-            best, done = False, None
-            if not (outcome and outcome.validated):
-                with self._features.quiet():
-                    row, best, done = self._epoch_row(epoch, partial=outcome is not None)
-                    if outcome is None:
-                        self._close_epoch(epoch, row)
-            timed = budget.time_agreed(self.strategy.max_over_ranks)
-            done = done or (outcome and outcome.reason) or budget.reason(timed)
-            stop = None if done else budget.job_done(self._epochs_this_job)
-            last = s.epoch >= epochs or done is not None
-            self._checkpointer.save(best, must=stop is not None or last)  # every epoch's end
             if stop is not None:
                 return stop
         done = done or budget.epochs_ended()
@@ -136,10 +138,10 @@ class TrainingLoop(TrainerHooks):
         self._checkpointer.wait()
         return None
 
-    def _train_epoch(self) -> str | NanEvent | Done | None:
+    def _train_epoch(self) -> str | Done | None:
         """The epoch's steps from where the run is. Returns why the run stops here
-        (preempted), the non-finite step to roll back from, the budget that ended the run
-        in the epoch, or None at the epoch's end."""
+        (preempted), the budget that ended the run in the epoch, or None at the epoch's
+        end."""
         loop, s, clock = self.config.loop, self._state, self._step_clock
         epoch = s.epoch + 1  # 1-based, as printed and logged
         self.model.train()
@@ -166,9 +168,7 @@ class TrainingLoop(TrainerHooks):
             start=s.step_in_epoch + 1,
         ):
             if not skips or (epoch, step) not in skips:  # not dropped by a rollback
-                event = run(micro_batches, epoch, step)
-                if event is not None:
-                    return event
+                run(micro_batches, epoch, step)
             s.global_step += 1
             s.step_in_epoch = step
             for call in step_end:  # the built-in features first (EMA first of all)
@@ -218,8 +218,7 @@ class TrainingLoop(TrainerHooks):
         tracks."""
         s = self._state
         monitored = self._monitor.interval(s.global_step)
-        # the epoch's running means over every rank's samples: one collective an interval
-        means = s.metrics.compute(self.strategy.all_reduce_sum)
+        means = self._means()
         shown = self._progress.step(
             step, s.metrics.count, lambda: means, self.dist.is_main, monitored
         )
@@ -244,7 +243,7 @@ class TrainingLoop(TrainerHooks):
         tracked. Returns the row, whether it is the best so far, and why the run stops
         early (``--early-stop-patience``) or None."""
         s, best_metric = self._state, self._best_metric
-        train = s.metrics.compute(self.strategy.all_reduce_sum)
+        train = self._means()
         val = self.validate() if self.val_loader is not None else {}
         if val:
             val.update(self._features.validation(self.validate))
@@ -272,6 +271,35 @@ class TrainingLoop(TrainerHooks):
             s.best_at = (epoch + 1, s.global_step)
             self._tracker.summary({f"best_{best_metric}": s.best_value, "best_epoch": epoch + 1})
         return row, best, self._budget.stopped_early() if stop_early else None
+
+    def _means(self) -> dict[str, float]:
+        """The epoch's running means over every rank's samples (one collective, one read),
+        with the NaN checks' records read in the same and settled (--on-nan)."""
+        checker = self._nan_checker
+        rider = None if checker is None else checker.pending()
+        means, seen = self._state.metrics.compute_with(self.strategy.all_reduce_sum, rider)
+        if checker is not None:
+            self._settle(seen)
+        return means
+
+    def _settle(self, seen: list[float] | None = None) -> None:
+        """What the NaN checks recorded, read (or ``seen``, read already), acted on alike on
+        every rank (collective)."""
+        if self._nan_checker is not None:
+            on_nan, info = self.config.numerics.on_nan, self._progress.info
+            now, newest = self._state.global_step, self._checkpointer.newest
+            self._nan_checker.settle(on_nan, now, self._where, info, newest, seen)
+
+    def _before_save(self) -> None:
+        """A checkpoint holds no step the NaN checks have not settled; then the callbacks'
+        ``on_save_checkpoint``."""
+        self._settle()
+        self._fire(self._events.on_save_checkpoint)
+
+    def _where(self, global_step: int) -> tuple[int, int]:
+        """A global step of the epoch in progress as (epoch, step in it), 1-based."""
+        s = self._state
+        return s.epoch + 1, s.step_in_epoch - (s.global_step - global_step)
 
     def _close_epoch(self, epoch: int, row: dict[str, Any]) -> None:
         """The epoch is done: the scheduler's epoch step, ``on_epoch_end``, the counters."""

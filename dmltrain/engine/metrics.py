@@ -38,6 +38,7 @@ class MetricAccumulator:
         self._steps = 0  # summed into ``_sums``; the kept ones come on top
         self._count = 0  # samples summed into ``_sums``
         self._sum_at = 1  # kept steps that are summed: the first step at once, then ``keep``
+        self._dropped: Tensor | None = None  # samples of steps the NaN checks dropped
 
     def update(self, metrics: Values, n: int) -> None:
         # a step's whole cost: the counts are added up when the kept steps are summed
@@ -45,6 +46,12 @@ class MetricAccumulator:
         kept.append((metrics, n))
         if len(kept) >= self._sum_at:
             self._sum_kept()
+
+    def drop(self, dropped: Tensor, n: int) -> None:
+        """The ``n`` samples of a step that counts for nothing where ``dropped`` (a device
+        flag: the NaN checks' verdict, not read); its values come in as 0."""
+        lost = dropped * n
+        self._dropped = lost if self._dropped is None else self._dropped + lost
 
     def _sum_kept(self) -> None:
         kept = self._kept
@@ -122,7 +129,10 @@ class MetricAccumulator:
     def state_dict(self) -> dict:
         # copies: the totals go on growing after a checkpoint took them
         sums, kept = snapshot(self._sums), snapshot(self._kept)
-        return {"sums": sums, "kept": kept, "steps": self.steps, "count": self.count}
+        state = {"sums": sums, "kept": kept, "steps": self.steps, "count": self.count}
+        if self._dropped is not None:
+            state["dropped"] = snapshot(self._dropped)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self._sums = to_device(state["sums"], self.device)
@@ -131,6 +141,8 @@ class MetricAccumulator:
         self._steps = steps - len(self._kept)
         self._count = int(state["count"]) - sum(map(_SECOND, self._kept))
         self._sum_at = self.keep if steps else 1
+        dropped = state.get("dropped")
+        self._dropped = None if dropped is None else to_device(dropped, self.device)
 
     @property
     def count(self) -> int:
@@ -143,18 +155,28 @@ class MetricAccumulator:
         return self._steps + len(self._kept)
 
     def compute(self, reduce: Callable[[Tensor], Tensor] | None = None) -> dict[str, float]:
+        return self.compute_with(reduce)[0]
+
+    def compute_with(
+        self, reduce: Callable[[Tensor], Tensor] | None = None, rider: Tensor | None = None
+    ) -> tuple[dict[str, float], list[float]]:
+        """The means, and ``rider`` (a float vector on the device) reduced with them: one
+        collective and one read for both."""
         sums = self._totals()
         names = list(sums)  # insertion order: the order the step returned them
         values = [torch.as_tensor(sums[n], device=self.device).float() for n in names]
         count = torch.tensor(float(self.count), device=self.device)
+        if self._dropped is not None:
+            count = count - self._dropped
         packed = torch.stack([*values, count])
+        if rider is not None:
+            packed = torch.cat([packed, rider])
         if reduce is not None:
             packed = reduce(packed)
         totals = packed.tolist()
-        total = totals[-1]
-        return (
-            {name: v / total for name, v in zip(names, totals[:-1], strict=True)} if total else {}
-        )
+        total, rode = totals[len(names)], totals[len(names) + 1 :]
+        means = dict(zip(names, totals[: len(names)], strict=True))
+        return ({name: v / total for name, v in means.items()} if total else {}), rode
 
 
 def merge_states(states: list[dict | None]) -> dict | None:
@@ -172,4 +194,6 @@ def merge_states(states: list[dict | None]) -> dict | None:
             value = value.cpu() if isinstance(value, Tensor) else value
             totals[name] = totals.get(name, 0.0) + value
     steps = max(int(state.get("steps", 1)) for state in found)
-    return {"sums": totals, "kept": [], "steps": steps, "count": sum(s["count"] for s in found)}
+    # the samples of steps the NaN checks dropped leave the count here, read once
+    count = sum(s["count"] - int(s.get("dropped", 0)) for s in found)
+    return {"sums": totals, "kept": [], "steps": steps, "count": count}

@@ -47,6 +47,14 @@ def check_available(kind: str, device: torch.device) -> None:
         ) from None
 
 
+def set_matmul_precision(kind: str, device: torch.device) -> None:
+    """fp32 matrix products on a GPU: TF32 allowed (``high``) or not (``highest``). A
+    process-wide torch setting, left alone on the CPU (whose results tests compare bit for
+    bit)."""
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision(kind)
+
+
 class Precision:
     """Autocast, loss scaling and the scaler's state for one precision on one device."""
 

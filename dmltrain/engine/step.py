@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from dmltrain.engine import contract
 from dmltrain.engine.batches import batch_size_of, split_step_output, to_device
-from dmltrain.engine.nan import NanChecker, NanEvent
+from dmltrain.engine.nan import NanChecker, skipped_if
 from dmltrain.engine.precision import Precision
 from dmltrain.engine.state import TrainState
 from dmltrain.errors import SharedError, UserError
@@ -40,7 +40,7 @@ class OptimizerStep:
     grad_clip: float
     detect_anomaly: bool
     nan_checker: NanChecker | None
-    on_nan: Callable[[NanEvent], NanEvent | None]  # the --on-nan action
+    settle: Callable[[], None]  # the NaN records read and acted on (--on-nan), collective
     grad_norm: Tensor | None = None  # the last step's, before clipping (with --grad-clip)
     # callbacks' on_before_optimizer_step, bound to the trainer: they see final gradients
     before_update: tuple[Callable[[], None], ...] = ()
@@ -63,9 +63,9 @@ class OptimizerStep:
         if self._alone is not None and not checks:
             self.run = self._run_usual  # type: ignore[method-assign]
 
-    def run(self, micro_batches: Sequence[Any], epoch: int, step: int) -> NanEvent | None:
-        """Forward and backward of each micro-batch, checks, clipping, the update. Returns
-        the non-finite step to roll back from (``--on-nan rollback``), else None."""
+    def run(self, micro_batches: Sequence[Any], epoch: int, step: int) -> None:
+        """Forward and backward of each micro-batch, checks, clipping, the update (skipped
+        on the device when the checks found a NaN: ``dmltrain.engine.nan``)."""
         precision, checker, global_step = self.precision, self.nan_checker, self.state.global_step
         optimizers = self.optimizers
         for optimizer in optimizers:
@@ -88,27 +88,32 @@ class OptimizerStep:
                 self.strategy.sync_gradients(optimizer)
                 if self._unscales:
                     precision.unscale(optimizer)
+        found = None
         if checker is not None:
             losses = torch.stack([loss.float() for loss, _, _ in results])
-            flags = checker.flags(losses, gradients=precision.scaler is None, parameters=False)
-            event = checker.agree(flags, epoch, step, global_step + 1)
-            if event is not None:
-                return self.on_nan(event)  # the step is dropped on every rank
+            flags = checker.flags(global_step + 1, losses, gradients=precision.scaler is None)
+            found = checker.agree(flags)
+            if checker.waits and bool(found):  # an optimizer that cannot skip on the device
+                self.settle()  # reported (skip), or raised
+                return None  # the step is dropped on every rank
         for call in self.before_update:
             call()
         if self.grad_clip:  # the norm stays on the device until a log interval reads it
             self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-        if self._alone is not None:
-            self._alone.step()
-        elif len(optimizers) == 1:
-            self.strategy.optimizer_step(precision.step, optimizers[0])
-        else:
-            for optimizer in optimizers:
-                self.strategy.optimizer_step(precision.apply, optimizer)
-            precision.update()
-        return _after_updates(self, results, epoch, step)
+        # on the device, unless the step waited for found (or the fp16 scaler skips)
+        skip = None if checker is None or checker.waits or precision.scaler else found
+        with contextlib.nullcontext() if skip is None else skipped_if(optimizers, skip):
+            if self._alone is not None:
+                self._alone.step()
+            elif len(optimizers) == 1:
+                self.strategy.optimizer_step(precision.step, optimizers[0])
+            else:
+                for optimizer in optimizers:
+                    self.strategy.optimizer_step(precision.apply, optimizer)
+                precision.update()
+        return _after_updates(self, results, found)
 
-    def _run_usual(self, micro_batches: Sequence[Any], epoch: int, step: int) -> NanEvent | None:
+    def _run_usual(self, micro_batches: Sequence[Any], epoch: int, step: int) -> None:
         """``run`` for the usual step (one micro-batch, one optimizer that steps by itself,
         fp32, nothing checked or clipped), in one frame: the same calls in the same order,
         without the branches and calls that only other steps need."""
@@ -182,31 +187,23 @@ class OptimizerStep:
 
 
 def _after_updates(
-    step: "OptimizerStep | ManualStep", results: list[Any], epoch: int, number: int
-) -> NanEvent | None:
-    """After a step's updates: the parameters' NaN agreement, the per-step schedulers, and
-    the step's losses and metrics into the epoch's sums."""
+    step: "OptimizerStep | ManualStep", results: list[Any], dropped: Tensor | None
+) -> None:
+    """After a step's updates: the parameters' NaN flags, the per-step schedulers, and
+    the step's losses and metrics into the epoch's sums; none of a ``dropped`` step (a
+    device flag: its values count as 0 of 0 samples)."""
     checker = step.nan_checker
     if checker is not None:
-        flags = checker.flags(None, gradients=False, parameters=True)
-        event = checker.agree(flags, epoch, number, step.state.global_step + 1)
-        if event is not None:
-            return step.on_nan(event)  # an update cannot be dropped: raise or roll back
+        checker.flags(step.state.global_step + 1, parameters=True)  # settled later
     for scheduler in step.schedulers:
         scheduler.step()
     metrics = step.state.metrics
     for loss, step_metrics, n in results:
-        metrics.update({"loss": loss, **step_metrics}, n)
-    return None
-
-
-class _Dropped(Exception):
-    """A manual step's update found gradients not finite and ``--on-nan rollback`` undoes
-    the step: out of the experiment's ``train_step`` to the loop."""
-
-    def __init__(self, event: NanEvent) -> None:
-        super().__init__(str(event))
-        self.event = event
+        values = {"loss": loss, **step_metrics}
+        if dropped is not None:
+            values = {k: torch.where(dropped, 0.0, v) for k, v in values.items()}
+            metrics.drop(dropped, n)
+        metrics.update(values, n)
 
 
 @dataclass
@@ -228,12 +225,11 @@ class ManualStep:
     grad_clip: float
     detect_anomaly: bool
     nan_checker: NanChecker | None
-    on_nan: Callable[[NanEvent], NanEvent | None]
+    settle: Callable[[], None]
     before_update: tuple[Callable[[], None], ...] = ()
     grad_norm: Tensor | None = None  # the last update's, before clipping (with --grad-clip)
     _micro_batches: int = 0  # of the step in progress (0: no step in progress)
     _last: bool = False  # whether the micro-batch in progress is its last
-    _where: tuple[int, int] = (0, 0)  # (epoch, step) in progress
     # each optimizer's own parameters (by id(optimizer)), and their ids, found once
     _own: dict[int, tuple[list[Tensor], set[int]]] = field(default_factory=dict)
     # the first step's calls of backward and optimizer_step (None: checked, after it)
@@ -244,10 +240,10 @@ class ManualStep:
             params = [p for group in optimizer.param_groups for p in group["params"]]
             self._own[id(optimizer)] = (params, {id(p) for p in params})
 
-    def run(self, micro_batches: Sequence[Any], epoch: int, step: int) -> NanEvent | None:
+    def run(self, micro_batches: Sequence[Any], epoch: int, step: int) -> None:
         for optimizer in self.optimizers:
             optimizer.zero_grad()
-        self._micro_batches, self._where = len(micro_batches), (epoch, step)
+        self._micro_batches = len(micro_batches)
         results = []
         try:
             for i, batch in enumerate(micro_batches):
@@ -259,14 +255,17 @@ class ManualStep:
                     output = self.precision.forward(self.train_step, batch)
                 loss, step_metrics = split_step_output(output)
                 results.append((loss.detach(), step_metrics, batch_size_of(batch)))
-        except _Dropped as dropped:
-            return dropped.event
         finally:
             self._micro_batches = 0
         if self._calls is not None:
             self._check_first_step(self._calls)
         self.precision.update()
-        return _after_updates(self, results, epoch, step)
+        dropped = None
+        checker = self.nan_checker
+        if checker is not None:  # a loss that is not finite counts for nothing (this rank's)
+            losses = torch.stack([loss.float() for loss, _, _ in results])
+            dropped = checker.flags(self.state.global_step + 1, losses)[0]
+        _after_updates(self, results, dropped)
 
     def _check_first_step(self, calls: list[int]) -> None:
         """A first step that updated nothing through ``optimizer_step``, or without
@@ -343,19 +342,21 @@ class ManualStep:
         checker = self.nan_checker
         if self.grad_clip or checker is not None or self.before_update:
             self.precision.unscale(optimizer)
-        if checker is not None:
-            grads = checker.flags(None, gradients=self.precision.scaler is None, parameters=False)
-            epoch, step = self._where
-            event = checker.agree(grads, epoch, step, self.state.global_step + 1)
-            if event is not None:
-                if self.on_nan(event) is not None:
-                    raise _Dropped(event)
-                return  # --on-nan skip: this update is dropped on every rank
+        found = None
+        if checker is not None and self.precision.scaler is None:  # else the scaler's
+            own = self._owned(optimizer)[1]
+            step = self.state.global_step + 1
+            found = checker.agree(checker.flags(step, gradients=True, only=own))
+            if checker.waits and bool(found):  # an optimizer that cannot skip on the device
+                self.settle()  # reported (skip), or raised (out of train_step)
+                return  # this update is dropped on every rank
         for call in self.before_update:
             call()
         if self.grad_clip:
             self.grad_norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
-        self.precision.apply(optimizer)
+        skip = None if checker is None or checker.waits else found
+        with contextlib.nullcontext() if skip is None else skipped_if([optimizer], skip):
+            self.precision.apply(optimizer)
         optimizer.zero_grad()  # a later loss of the step may reach these parameters again
 
     def _check(self, what: str) -> int:

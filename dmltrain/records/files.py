@@ -21,11 +21,14 @@ class NotWritten(UserError):
     there before, if any, is unchanged."""
 
 
-def write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str | bytes) -> None:
     """``path`` holds ``text`` afterwards, or what it held before (``NotWritten``)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        tmp.write_text(text)
+        if isinstance(text, bytes):
+            tmp.write_bytes(text)
+        else:
+            tmp.write_text(text)
         os.replace(tmp, path)
     except OSError as exc:
         with contextlib.suppress(OSError):

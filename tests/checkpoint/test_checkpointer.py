@@ -218,3 +218,22 @@ def test_settings_changed_at_a_resume_are_said_and_applied_or_refused(tmp_path):
     (line,) = [x for x in sgd.stderr.splitlines() if x.startswith("dmltrain: error:")]
     assert "with --optimizer sgd: its optimizer state is adam's" in line, line
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == before
+
+
+def test_how_an_update_runs_is_the_resuming_runs_choice(tmp_path):
+    """fused, foreach, capturable: a setting of the process, not of the state. A run saved
+    with non-fused optimizers goes on fused when resumed so (a CPU run resumed on a GPU, an
+    older checkpoint under the fused default)."""
+    run = tmp_path / "run"
+    args = ["tiny", "--batch-size", "8", "--progress", "off", "--two-optimizers", "auto",
+            "--run-dir", str(run)]  # fmt: skip
+
+    def fused() -> list:
+        state = load_file(list_checkpoints(run / "checkpoints")[0])
+        return [group.get("fused") for group in state["optimizer"]["param_groups"]]
+
+    assert run_cli(*args, "--epochs", "1", cwd=TESTS).returncode == 0
+    assert fused() == [None, None]
+    done = run_cli(*args, "--epochs", "2", "--fused", cwd=TESTS)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert fused() == [True, True]

@@ -191,3 +191,23 @@ def test_the_usual_steps_sum_bit_for_bit_as_the_general_case(seed):
     shortcut, general = run(general=False), run(general=True)
     assert list(shortcut) == list(general) == ["loss", "other"]
     assert shortcut == general
+
+
+def test_a_dropped_step_counts_for_nothing_and_its_flag_is_not_read():
+    """The NaN checks' verdict stays on the device: a dropped step's values come in as 0
+    and its samples leave the count, through a checkpoint and a merge of ranks too."""
+    from dmltrain.engine.metrics import merge_states
+
+    acc = MetricAccumulator("cpu")
+    for value, bad in [(1.0, False), (float("nan"), True), (3.0, False)]:
+        flag = torch.tensor(bad)
+        acc.drop(flag, 2)
+        acc.update({"loss": torch.where(flag, 0.0, torch.tensor(value))}, 2)
+    means, rode = acc.compute_with(rider=torch.tensor([5.0, 0.0]))
+    assert means == {"loss": pytest.approx(2.0)} and rode == [5.0, 0.0]
+    again = MetricAccumulator("cpu")
+    again.load_state_dict(acc.state_dict())
+    assert again.compute() == {"loss": pytest.approx(2.0)}
+    merged = MetricAccumulator("cpu")
+    merged.load_state_dict(merge_states([acc.state_dict(), again.state_dict()]))
+    assert merged.compute() == {"loss": pytest.approx(2.0)}

@@ -126,3 +126,54 @@ def test_detect_anomaly_names_the_backward_op_that_made_the_nan(tmp_path):
     done = run_cli(*args, "--detect-anomaly", "--run-dir", str(tmp_path / "run"), cwd=tmp_path)
     assert done.returncode == 1
     assert "returned nan values in its 0th output" in done.stderr
+
+
+def test_a_deferred_check_is_read_at_the_next_log_interval(tmp_path):
+    """No checkpoint in between: the NaN of step 5 is read with the metrics at the log
+    interval of step 8, and the run stops there; the update of step 5 was skipped on the
+    device (the fused default optimizer), so no parameter went bad meanwhile."""
+    from helpers import run_cli
+
+    run = tmp_path / "run"
+    done = run_cli(*TINY, "--epochs", "1", "--check-nans", "--log-every", "4",
+                   "--checkpoint-every-steps", "0", "--nan-rank", "0", "--nan-at-step", "4",
+                   "--run-dir", str(run), cwd=tmp_path)  # fmt: skip
+    assert done.returncode == EXIT_NONFINITE, done.stderr[-2000:]
+    report = (run / "nan_report.txt").read_text()
+    assert "non-finite loss at epoch 1, step 5 (global step 5) on rank 0" in report
+    assert "read at global step 8; stopping" in report
+    assert "parameter" not in report
+
+
+def test_skip_under_a_manual_step_on_the_device(tmp_path):
+    """The manual step (two fused optimizers, each its own update): the NaN step's updates
+    are skipped on every rank, the epoch's loss stays finite, no rank waits per step."""
+    run = tmp_path / "run"
+    extra = ["--two-optimizers", "manual", "--fused", "--on-nan", "skip", "--nan-rank", "1",
+             "--nan-at-step", "4"]  # fmt: skip
+    results, _ = two_ranks(run, *extra)
+    for status, output in results:
+        assert status == 0, output[-2000:]
+        assert "cannot skip a step on the device" not in output
+    report = (run / "nan_report.txt").read_text()
+    assert "non-finite loss at epoch 1, step 5 (global step 5) on rank 1" in report
+    assert "step skipped on every rank" in report
+    assert "nan" not in (run / "training_log.csv").read_text().lower()
+    weights = torch.load(run / "final_weights.pt", weights_only=True)
+    assert all(torch.isfinite(w).all() for w in weights.values())
+
+
+def test_an_optimizer_that_cannot_skip_on_the_device_is_named_and_waits(tmp_path):
+    """Two non-fused optimizers: said once; each step then reads its check, and the NaN
+    step is dropped at once (the report has no later reading step)."""
+    from helpers import run_cli
+
+    run = tmp_path / "run"
+    done = run_cli(*TINY, "--epochs", "1", "--check-nans", "--on-nan", "skip",
+                   "--two-optimizers", "auto", "--nan-rank", "0", "--nan-at-step", "4",
+                   "--run-dir", str(run), cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    said = done.stdout + done.stderr
+    assert said.count("Adam, SGD cannot skip a step on the device") == 1, said[-2000:]
+    report = (run / "nan_report.txt").read_text()
+    assert "global step 5) on rank 0; step skipped on every rank" in report

@@ -105,7 +105,7 @@ def hand_written_clipped_loop(epochs, batch_size, clip, seed=0):
     train_set, _ = trainer.create_datasets()
     torch.manual_seed(seed)
     model = trainer.create_model()
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, fused=True)  # as the default
     sampler = DistributedSampler(train_set, num_replicas=1, rank=0, shuffle=True, seed=seed)
     loader = DataLoader(train_set, batch_size=batch_size, sampler=sampler)
     for epoch in range(epochs):
@@ -235,3 +235,18 @@ def test_mixed_precision_on_a_gpu_with_nccl(tmp_path, kind, strategy):
     state = load_file(full / "checkpoints" / ("latest.dcp" if strategy == "fsdp" else "latest.pt"))
     assert state["config"]["train"]["precision"] == kind
     assert (state["scaler"] is not None) == (kind == "fp16")
+
+
+def test_matmul_precision_is_set_on_a_gpu_and_left_alone_on_the_cpu():
+    """torch's process-wide setting, read by CUDA matmuls (set here without a GPU: it is
+    a setting only); the CPU's results stay fp32, as the bitwise tests need."""
+    from dmltrain.engine.precision import set_matmul_precision
+
+    before = torch.get_float32_matmul_precision()
+    try:
+        set_matmul_precision("medium", torch.device("cpu"))
+        assert torch.get_float32_matmul_precision() == before
+        set_matmul_precision("medium", torch.device("cuda"))
+        assert torch.get_float32_matmul_precision() == "medium"
+    finally:
+        torch.set_float32_matmul_precision(before)

@@ -101,7 +101,7 @@ def test_the_usual_step_counts_each_batch_as_batch_size_of_does():
             grad_clip=0.0,
             detect_anomaly=False,
             nan_checker=None,
-            on_nan=lambda event: event,
+            settle=lambda: None,
         )
         assert step.run.__func__ is OptimizerStep._run_usual
         step.run((batch,), 1, 1)
