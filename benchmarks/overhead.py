@@ -4,11 +4,12 @@
     python benchmarks/overhead.py --quick         # fewer steps; memory on the CNN only
 
 Every contender trains the same model (same seed) on the same in-memory data (random
-MNIST-shaped tensors, DataLoader with batch 64, shuffled, no workers) with Adam (lr 1e-3),
-fp32, one process, on the device given. Nothing is logged, no progress bar, no checkpoint
-inside the timed window, no validation: dmltrain ``--progress off``, wandb disabled
-(it checkpoints at the end of the epoch, after the window); Lightning with logger,
-progress bar, model summary and checkpointing off. The time per step is taken by the
+MNIST-shaped tensors, DataLoader with batch 64, shuffled, no workers) with fused Adam (lr
+1e-3, dmltrain's default), fp32 (the ViT on a GPU: bf16 autocast), one process, on the
+device given. Nothing is logged, no progress bar, no checkpoint inside the timed window,
+no validation: dmltrain ``--progress off``, wandb disabled (it checkpoints at the end of
+the epoch, after the window); Lightning with logger, progress bar, model summary and
+checkpointing off. The time per step is taken by the
 same clock inside each (``common.Clocked``: the starts of consecutive training forwards).
 
 Time: all contenders run in one process, taking turns (``common.rotate``: a b c d e f a b
@@ -59,6 +60,7 @@ PEERS = {
     "dmlcloud": "dmlcloud",
 }
 LR = 1e-3
+LIGHTNING_PRECISION = {"fp32": "32-true", "bf16": "bf16-mixed"}
 
 
 def setup(args: argparse.Namespace) -> tuple[Clocked, DataLoader]:
@@ -73,7 +75,7 @@ def setup(args: argparse.Namespace) -> tuple[Clocked, DataLoader]:
 def train_plain(args: argparse.Namespace) -> Clocked:
     model, loader = setup(args)
     model.to(args.device).train()
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR, fused=True)
     device_type = torch.device(args.device).type
     bf16 = args.precision == "bf16"
     for x, y in loader:
@@ -137,11 +139,12 @@ def train_lightning(args: argparse.Namespace) -> Clocked:
             return F.cross_entropy(self.net(x), y)
 
         def configure_optimizers(self):
-            return torch.optim.Adam(self.parameters(), lr=LR)
+            return torch.optim.Adam(self.parameters(), lr=LR, fused=True)
 
     trainer = L.Trainer(
         accelerator="gpu" if args.device.startswith("cuda") else "cpu",
         devices=1,
+        precision=LIGHTNING_PRECISION[args.precision],
         max_epochs=1,
         logger=False,
         enable_checkpointing=False,
@@ -156,9 +159,12 @@ def train_lightning(args: argparse.Namespace) -> Clocked:
 def train_fabric(args: argparse.Namespace) -> Clocked:
     from lightning.fabric import Fabric
 
-    fabric = Fabric(accelerator="gpu" if args.device.startswith("cuda") else "cpu", devices=1)
+    accelerator = "gpu" if args.device.startswith("cuda") else "cpu"
+    fabric = Fabric(
+        accelerator=accelerator, devices=1, precision=LIGHTNING_PRECISION[args.precision]
+    )
     model, loader = setup(args)
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR, fused=True)
     wrapped, optimizer = fabric.setup(model, optimizer)
     loader = fabric.setup_dataloaders(loader)
     wrapped.train()
@@ -173,9 +179,11 @@ def train_fabric(args: argparse.Namespace) -> Clocked:
 def train_accelerate(args: argparse.Namespace) -> Clocked:
     from accelerate import Accelerator
 
-    accelerator = Accelerator(cpu=args.device == "cpu")
+    accelerator = Accelerator(
+        cpu=args.device == "cpu", mixed_precision=args.precision.replace("fp32", "no")
+    )
     model, loader = setup(args)
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR, fused=True)
     wrapped, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     wrapped.train()
     for x, y in loader:
@@ -195,7 +203,7 @@ def train_dmlcloud(args: argparse.Namespace) -> Clocked:
     class Train(dml.Stage):
         def pre_stage(self):
             self.model = model.to(self.device)
-            self.optimizer = torch.optim.Adam(self.model.parameters(), lr=LR)
+            self.optimizer = torch.optim.Adam(self.model.parameters(), lr=LR, fused=True)
 
         def run_epoch(self):
             self.model.train()
@@ -259,10 +267,11 @@ def available(name: str) -> bool:
     return name not in PEERS or importlib.util.find_spec(PEERS[name]) is not None
 
 
-def worker_args(name: str, model: str, warmup: int, steps: int, device: str, run_dir: str):
+def worker_args(name: str, model: str, warmup: int, steps: int, device: str, run_dir: str,
+                precision: str = "fp32"):  # fmt: skip
     return [
         "--worker", name, "--model", model, "--warmup", str(warmup), "--steps", str(steps),
-        "--device", device, "--batch", "64", "--run-dir", run_dir,
+        "--device", device, "--batch", "64", "--run-dir", run_dir, "--precision", precision,
     ]  # fmt: skip
 
 
@@ -278,13 +287,24 @@ def measure(model: str, plan: "Plan", device: str) -> dict:
             run_worker(
                 script,
                 [
-                    *worker_args("rotate", model, plan.warmup, plan.steps, device, f"{tmp}/{i}"),
+                    *worker_args(
+                        "rotate",
+                        model,
+                        plan.warmup,
+                        plan.steps,
+                        device,
+                        f"{tmp}/{i}",
+                        plan.precision,
+                    ),
                     *("--block", str(plan.block), "--contenders", ",".join(order)),
                 ],
             )
         )
     alone = {
-        n: run_worker(script, worker_args(n, model, plan.warmup, plan.block, device, f"{tmp}/{n}"))
+        n: run_worker(
+            script,
+            worker_args(n, model, plan.warmup, plan.block, device, f"{tmp}/{n}", plan.precision),
+        )
         for n in names
         if n != "plain-twin" and plan.memory
     }
@@ -320,7 +340,8 @@ def extra_us(table: dict, name: str) -> float:
 def markdown(model: str, table: dict, plan: "Plan", device: str) -> str:
     cuda = device != "cpu"
     lines = [
-        f"overhead: {model}, batch 64, device {device}; {plan.steps} timed steps each in turns "
+        f"overhead: {model}, batch 64, {plan.precision}, device {device}; {plan.steps} timed "
+        f"steps each in turns "
         f"of {plan.block}, in {plan.processes} fresh process(es); median and range of the "
         "processes' ratios; peak memory alone in a fresh process"
         + ("" if plan.memory else " (not measured in quick mode: -)")
@@ -351,6 +372,7 @@ class Plan(NamedTuple):
     block: int  # steps per turn
     processes: int
     memory: bool = True  # each contender's peak memory, alone in a fresh process
+    precision: str = "fp32"  # every contender's (autocast)
 
 
 # Turns of one step where a step is long (every step of a contender lies between steps of
@@ -364,6 +386,8 @@ FULL = {
     "mlp": Plan(24, 3, 1, 3),
 }
 QUICK = {"tiny": Plan(200, 10, 50, 1, memory=False), "cnn": Plan(40, 5, 1, 1)}
+# on a GPU, the size users train too: a ViT-Base in bf16 (too slow for 2 CPU cores)
+GPU = {"vit": Plan(60, 10, 20, 1, memory=False, precision="bf16")}
 SMOKE = {"tiny": Plan(20, 2, 10, 1, memory=False), "cnn": Plan(4, 1, 1, 1, memory=False)}
 
 
@@ -386,7 +410,10 @@ def main(argv: list[str] | None = None) -> dict:
         worker(args)
         return {}
     texts, ratios, spread, extra = [], {}, {}, {}
-    for model, plan in (SMOKE if args.smoke else QUICK if args.quick else FULL).items():
+    plans = SMOKE if args.smoke else QUICK if args.quick else FULL
+    if args.device != "cpu" and not args.smoke:
+        plans = {**plans, **GPU}
+    for model, plan in plans.items():
         if args.device != "cpu":
             plan = plan._replace(block=max(plan.block, 20), steps=max(plan.steps, 100))
         table = measure(model, plan, args.device)

@@ -26,7 +26,7 @@ sys.path.insert(0, str(HERE.parent))
 from benchmarks.common import machine  # noqa: E402
 
 # Those whose quick mode still takes tens of seconds, and that have a smaller size (--smoke).
-SMOKE_SIZES = ("overhead", "startup", "scaling", "threads", "big_models", "ranks")
+SMOKE_SIZES = ("overhead", "startup", "scaling", "threads", "big_models", "ranks", "user_runs")
 BENCHMARKS = [
     "overhead",
     "startup",
@@ -42,6 +42,7 @@ BENCHMARKS = [
     "big_models",
     "ranks",
     "step_counts",
+    "user_runs",
 ]
 
 
@@ -113,13 +114,29 @@ def targets(reports: dict) -> list[tuple[str, str, str, bool]]:
     counts = reports.get("step_counts", {}).get("counts", {})
     if counts:
         base = counts["plain"]["reads"]
-        over = {k: v["reads"] - base for k, v in counts.items() if k not in ("plain", "log-every")}
+        own = ("plain", "plain-unfused", "log-every", "nan-log-every", "unfused", "nan-unfused")
+        over = {k: v["reads"] - base for k, v in counts.items() if k not in own}
         most = max(over.values())
         worst = [k for k, v in over.items() if v == most]
         rest = max([0.0] + [v for k, v in over.items() if k not in worst])
         rows.append(("host reads a step beyond the plain loop, every configuration",
                      f"{most:+.2f} ({', '.join(worst)}; the others {rest:+.2f})", "+0",
                      most <= 0))  # fmt: skip
+    if "vit: dmltrain" in reports.get("overhead", {}).get("ratios", {}):
+        r = reports["overhead"]["ratios"]["vit: dmltrain"]
+        rows.append(("ViT-Base in bf16 step time vs plain loop", f"{r:.3f}x", "<= 1.01x",
+                     r <= 1.01))  # fmt: skip
+    runs = reports.get("user_runs", {})
+    if runs:
+        failed = runs["failed"]
+        rows.append(("`dmltrain mnist` in each precision, checked, compiled, DDP and FSDP: "
+                     "every run exits 0", f"{len(runs['runs']) - len(failed)} of "
+                     f"{len(runs['runs'])}" + (f" (failed: {', '.join(failed)})" if failed else ""),
+                     "all", not failed))  # fmt: skip
+        first, second = runs["compile_first_job_s"], runs["compile_next_job_s"]
+        rows.append(("--compile: the next job (as many steps, the compiled code loaded) vs the "
+                     "first, wall time",
+                     f"{second:.1f} s vs {first:.1f} s", "shorter", second < first))  # fmt: skip
     nan = reports.get("nan_check", {}).get("ratios", {})
     if nan:
         r = nan["nan-check: on / off"]

@@ -49,7 +49,7 @@ def test_smoke_mode_writes_results_and_plot(tmp_path):
     for section in ("## Targets", "## overhead", "## startup", "## checkpoint", "## scaling",
                     "## nan_check", "## threads", "## data_pipeline",
                     "## collectives", "## ema", "## big_models", "## ranks",
-                    "## step_counts"):  # fmt: skip
+                    "## step_counts", "## user_runs"):  # fmt: skip
         assert section in results, section
     targets = results.split("## Targets", 1)[1].split("## overhead", 1)[0]
     assert targets.count("| yes |") + targets.count("| NO |") >= 14
@@ -124,3 +124,13 @@ def test_overhead_phases_table(tmp_path):
     assert all(float(cell) > 0 for cell in rows["plain (us)"][:5]), rows
     for row in ("plain-twin - plain", "dmltrain - plain"):
         assert len([float(cell) for cell in rows[row]]) == 6, rows  # five phases and their sum
+
+
+def test_the_gpu_proof_without_a_gpu_says_so_in_one_line():
+    """It runs where CUDA is (the device machine); here it refuses, one line, exit 2."""
+    done = subprocess.run([sys.executable, "benchmarks/gpu_proof.py"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [
+        "gpu_proof: no CUDA device here: run it on a GPU machine"
+    ]
