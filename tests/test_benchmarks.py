@@ -134,3 +134,13 @@ def test_the_gpu_proof_without_a_gpu_says_so_in_one_line():
     assert done.stderr.strip().splitlines() == [
         "gpu_proof: no CUDA device here: run it on a GPU machine"
     ]
+
+
+def test_the_gpu_proofs_profile_of_a_step_runs_on_the_cpu():
+    """Its part that needs no GPU to run: the plain loop and dmltrain profiled alike."""
+    from benchmarks.gpu_proof import api_calls
+
+    table = api_calls("cpu", steps=20)
+    assert table.splitlines()[1] == "| call | plain loop | dmltrain |"
+    # the loss dmltrain keeps for the metrics: its detach() is a call the plain loop lacks
+    assert "| aten::detach |" in table, table
