@@ -67,6 +67,11 @@ def _global_batch(train: dict[str, Any], world_size: int) -> int:
 _LOADABLE = (torch.Tensor, int, float, str, bytes, bool, type(None), torch.Size)
 
 
+def _execution(group: dict[str, Any]) -> dict[str, Any]:
+    """A param group's settings of how its update runs (``_EXECUTION``)."""
+    return {key: group[key] for key in _EXECUTION if key in group}
+
+
 def _check_loadable(value: Any, where: str) -> None:
     """A state that ``torch.load(weights_only=True)`` reads back: tensors, numbers,
     strings and containers of them; anything else would make the checkpoint unloadable."""
@@ -521,6 +526,8 @@ class Checkpointer:
             each.zero_grad()
         model = unwrap(saved.model)
         own = shapes_of(model.state_dict())
+        # how each group's update runs (fused, foreach...) is this run's, not the file's
+        running = [[_execution(g) for g in each.param_groups] for each in saved.optimizers]
         if state.get("sharded"):
             check_model_fits(own, state["shapes"], path)  # read by load_file
             model_state, optim_state = dcp().get_state_dict(saved.model, _dcp_optim(saved))
@@ -554,6 +561,9 @@ class Checkpointer:
                 )
         if optimizer:
             self._optimizer_settings(state.get("config", {}).get("train", {}), path)
+            for each, groups in zip(saved.optimizers, running, strict=True):
+                for group, settings in zip(each.param_groups, groups, strict=False):
+                    group.update(settings)  # a CPU run resumed on a GPU runs fused there
         if optimizer and state.get("optimizer_fresh"):
             for each in saved.optimizers:  # saved before its first step: keep it fresh
                 each.state.clear()
@@ -596,10 +606,6 @@ class Checkpointer:
                 for key in set(defaults) - set(group):
                     if isinstance(defaults[key], bool) or defaults[key] is None:
                         group[key] = defaults[key]
-                # how the update runs is this run's choice, not the checkpoint's: a CPU run
-                # resumed on a GPU runs fused there (and skips non-finite steps on it)
-                for key in _EXECUTION & set(defaults):
-                    group[key] = defaults[key]
                 missing = sorted(set(defaults) - set(group))
                 if missing:
                     raise UserError(

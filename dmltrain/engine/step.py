@@ -95,7 +95,7 @@ class OptimizerStep:
             found = checker.agree(flags)
             if checker.waits and bool(found):  # an optimizer that cannot skip on the device
                 self.settle()  # reported (skip), or raised
-                return None  # the step is dropped on every rank
+                return _after_updates(self, results, found)  # no update, as on the device
         for call in self.before_update:
             call()
         if self.grad_clip:  # the norm stays on the device until a log interval reads it
