@@ -8,6 +8,7 @@ Its other public methods are what a subclass calls: ``backward`` and ``optimizer
 """
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,23 @@ from dmltrain.runtime import launch, preemption, processes
 from dmltrain.runtime.distributed import create_strategy, unwrap
 from dmltrain.runtime.launch import DistInfo
 
+# the class attributes of TrainerHooks an experiment sets, beside its methods
+_YOURS = frozenset({"name", "scheduler_interval", "manual_optimization"})
+
+
+@functools.cache
+def _engine_names() -> frozenset[str]:
+    """The names the engine keeps on the trainer: its methods, properties and attributes
+    (a subclass that defines one would replace a part of the engine); not the hooks."""
+    hooks = {n for n, v in vars(TrainerHooks).items() if callable(v)} | _YOURS
+    names: set[str] = set()
+    for kind in BaseTrainer.__mro__:
+        if kind is object or kind.__module__ == "abc":
+            continue
+        names |= set(vars(kind)) | set(getattr(kind, "__annotations__", {}))
+    # _abc_impl: ABCMeta's own, in every subclass
+    return frozenset(n for n in names - hooks if not n.startswith(("__", "_abc_")))
+
 
 class BaseTrainer(TrainerSetup):
     """Subclass, implement the three abstract methods (``dmltrain.hooks``: what else you
@@ -56,6 +74,12 @@ class BaseTrainer(TrainerSetup):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        clash = sorted(n for n in vars(cls) if n in _engine_names())
+        if clash:
+            raise TypeError(
+                f"{cls.__name__} defines {', '.join(clash)}: dmltrain's own name(s) on the "
+                "trainer; rename yours (what a trainer may override is in dmltrain.hooks)"
+            )
         if cls.name == "experiment":
             cls.name = cls.__name__.lower()
 
@@ -89,6 +113,7 @@ class BaseTrainer(TrainerSetup):
         self.config.profiling.profiled(dist.world_size)  # a rank beyond the job's is refused
         self._state = TrainState(self.device)
         self._tracker = Tracker()  # rank 0's real one is made in setup
+        self._steps_log = None  # rank 0's steps.csv, made in setup
         self._features = Features()  # the built-in features, made in setup
         self._events = Events()  # the callbacks' listeners, made in setup
 
@@ -140,14 +165,20 @@ class BaseTrainer(TrainerSetup):
                 self.warn(f"a callback's on_close failed too: {exc!r}")
 
     def log_metrics(self, values: dict[str, Any], step: int | None = None) -> None:
-        """Scalars (numbers or one-element tensors) to the trackers, by the names given, at
-        ``step`` (default ``global_step``: the steps done; inside a step, as in
-        ``on_before_optimizer_step``, the one being taken is ``global_step + 1``). Rank 0
-        logs, other ranks do nothing. A tensor is read from the device here: log every N
-        steps, not every step, to keep the steps asynchronous."""
-        if self.dist.is_main and self._tracker.active:
-            at = self.global_step if step is None else step
-            self._tracker.log({k: float(v) for k, v in values.items()}, at)
+        """Scalars (numbers or one-element tensors) to the trackers and to steps.csv (in
+        the row of their step), by the names given, at ``step`` (default ``global_step``:
+        the steps done; inside a step, as in ``on_before_optimizer_step``, the one being
+        taken is ``global_step + 1``). Rank 0 logs, other ranks do nothing. A tensor is
+        read from the device here: log every N steps, not every step, to keep the steps
+        asynchronous."""
+        if not self.dist.is_main:
+            return
+        at = self.global_step if step is None else step
+        scalars = {k: float(v) for k, v in values.items()}
+        if self._tracker.active:
+            self._tracker.log(scalars, at)
+        if self._steps_log is not None:  # steps.csv, in the row of its step
+            self._steps_log.add(at, self.epoch + 1, scalars)
 
     def log_image(self, name: str, image: Any, step: int | None = None) -> None:
         """An image or a matplotlib Figure to the trackers (``features.images`` says what an

@@ -101,6 +101,27 @@ def test_the_callback_example_logs_and_checkpoints_its_state(tmp_path):
     assert state["states"] == {"GradNorms": {"logged": 2}}
 
 
+def test_the_callback_example_writes_its_scalars_to_steps_csv_in_a_default_run(tmp_path):
+    """No tracker (the default run): what a callback logs still lands in the run
+    directory, in the rows of its steps."""
+    import csv
+
+    readme_experiment(tmp_path)
+    (tmp_path / "my_callbacks.py").write_text(block("extending.md", "## Callbacks"))
+    run = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "my_callbacks.py", "line-monitored", "--epochs", "2", "--batch-size",
+         "32", "--run-dir", str(run)],
+        cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    with open(run / "steps.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    logged = {r["step"]: r["grad_norms_logged"] for r in rows if r["grad_norms_logged"]}
+    assert logged == {"10": "1.0", "20": "2.0"}
+    assert all(r["grad_norm/weight"] for r in rows if r["step"] in logged)
+
+
 def test_the_metrics_example_logs_the_whole_sets_rmse_and_a_figure(tmp_path):
     """On 2 processes, 64 validation samples in batches of 16 a rank: val_rmse is the root
     of val_loss (both over every sample), and TensorBoard holds the figure of each epoch."""

@@ -198,3 +198,27 @@ def test_a_gpu_loader_pins_memory_only_where_workers_fill_it(workers):
     trainer.strategy = Strategy(trainer.dist, DistConfig())
     dataset = trainer.create_datasets()[0]
     assert trainer.create_dataloader(dataset, train=True).pin_memory is (workers > 0)
+
+
+def test_a_trainer_that_defines_an_engine_name_is_refused_when_the_class_is_defined():
+    """A Lightning habit (def setup) or a counter (_step = 0) would replace a part of the
+    engine and fail deep inside the run; a name of the user's own (step) trains."""
+    for body in (
+        "def setup(self):\n        pass",
+        "_step = 0",
+        "def validate(self):\n        pass",
+    ):
+        with pytest.raises(TypeError) as refused:
+            exec(f"class Mine(TinyTrainer):\n    {body}\n", {"TinyTrainer": TinyTrainer})
+        assert str(refused.value).startswith("Mine defines ")
+        assert "dmltrain's own name(s) on the trainer; rename yours" in str(refused.value)
+
+    class Mine(TinyTrainer):
+        name = "mine"  # the class attributes an experiment sets stay its own
+        manual_optimization = False
+
+        def step(self):
+            return "the user's"
+
+    trainer = Mine(TrainConfig(epochs=1, progress="off"), TinyOptions(), dist=DistInfo())
+    assert trainer.step() == "the user's"

@@ -367,6 +367,7 @@ class TrainerSetup(TrainingLoop):
         """config.yaml, diagnostics, steps.csv and the tracker (rank 0); the Slurm deadline
         (all ranks)."""
         deadline, steps_log = None, None
+        self._steps_log: StepsLog | None = None
         if self.dist.is_main:
             own = type(self).create_optimizer is not TrainerHooks.create_optimizer
             made = rundir.built(self.optimizers, self._schedulers, own)
@@ -396,9 +397,10 @@ class TrainerSetup(TrainingLoop):
                 self._feed.steps,
             )
             self._progress.info(rundir.write_records(self.run_dir, text, info))
-            steps_log = StepsLogFeature(
-                StepsLog(self.run_dir / "steps.csv", self._state.global_step, self.warn)
+            self._steps_log = StepsLog(
+                self.run_dir / "steps.csv", self._state.global_step, self.warn
             )
+            steps_log = StepsLogFeature(self._steps_log)
             self._tracker = create_trackers(
                 self.config.tracking,
                 self.environment.wandb_mode,

@@ -107,6 +107,9 @@ class StepsLogFeature(Feature):
         s = trainer._state
         self.log.write({"step": s.global_step, "epoch": s.epoch + 1, **values})
 
+    def stop(self) -> None:
+        self.log.write()  # what log_metrics gave after the last log interval
+
 
 class Features:
     """The built-in features of a run, in run order, and the engine's points over them."""

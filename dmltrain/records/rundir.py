@@ -41,7 +41,7 @@ FILES: dict[str, str] = {
     "training_log.csv": "a row per validation: epoch, step, train_loss, val_* metrics, lr, "
     "world_size, epoch_time_s",
     "steps.csv": "step scalars every --log-every steps (loss, steps_per_s, data_wait, "
-    "samples_per_s, lr, ...)",
+    "samples_per_s, lr, ...), and what log_metrics gives, at its step",
     "ranks.csv": (
         "each rank's time a step, data wait and train_step, in the log intervals where one "
         "rank was slow"

@@ -37,12 +37,14 @@ def read_training_log(path: Path | str) -> list[dict[str, float]]:
 class StepsLog:
     """``RUN_DIR/steps.csv`` (rank 0): a row of step scalars (loss and the step's metrics,
     lr, samples/s, the gradient norm when clipping) every ``--log-every`` steps, so a run
-    without wandb can be plotted by step. A resumed run first drops the rows after its
-    checkpoint's step (a run killed after its last checkpoint logged steps it retrains)."""
+    without wandb can be plotted by step; and the scalars ``log_metrics`` gives, in the
+    row of their step. A resumed run first drops the rows after its checkpoint's step (a
+    run killed after its last checkpoint logged steps it retrains)."""
 
     def __init__(self, path: Path, resumed_at: int, warn: Callable[[str], None] = print) -> None:
         self.path, self.warn, self.warned = path, warn, False
         self.columns: list[str] | None = None
+        self._pending: dict[int, dict[str, Any]] = {}  # log_metrics' rows, by step
         if path.is_file():
             with open(path, newline="") as handle:
                 reader = csv.DictReader(handle)
@@ -76,10 +78,35 @@ class StepsLog:
                     "there is room again, training goes on"
                 )
 
-    def write(self, row: dict[str, Any]) -> None:
-        """One row; its columns are the first row's (a later new column is left out)."""
+    def add(self, step: int, epoch: int, values: dict[str, float]) -> None:
+        """Scalars logged at ``step`` (``log_metrics``): written with the next row, in it
+        when it is of the same step, else as a row of their own before it."""
+        self._pending.setdefault(step, {"step": step, "epoch": epoch}).update(values)
+
+    def write(self, row: dict[str, Any] | None = None) -> None:
+        """``row`` (a log interval's; None: only what ``add`` holds), after the logged rows
+        of earlier steps. A new column rewrites the file with it: no value is left out."""
+        rows = [self._pending.pop(step) for step in sorted(self._pending)]
+        self._pending = {}
+        if row is not None:
+            if rows and rows[-1]["step"] == row["step"]:
+                row = {**rows.pop(), **row}
+            rows.append(row)
+        if not rows:
+            return
+        new = [key for r in rows for key in r if key not in (self.columns or [])]
         if self.columns is None:
-            self.columns = list(row)
-            self._write([row], "w")
+            self.columns = list(dict.fromkeys(new))
+            self._write(rows, "w")
+        elif new:
+            self.columns += list(dict.fromkeys(new))
+            self._write(self._read() + rows, "w")
         else:
-            self._write([row], "a")
+            self._write(rows, "a")
+
+    def _read(self) -> list[dict[str, Any]]:
+        """The rows written so far (to write them again under more columns)."""
+        if not self.path.is_file():
+            return []
+        with open(self.path, newline="") as handle:
+            return list(csv.DictReader(handle))
