@@ -5,7 +5,7 @@ type in fp32, bf16 and fp16, ``--compile`` and its next job, DDP and FSDP over e
 It writes ``benchmarks/RESULTS-gpu.md``: machine, versions, date, each table and target.
 
     python benchmarks/gpu_proof.py --wheels wheels   # here: the pure-Python wheels it needs
-    python benchmarks/gpu_proof.py                   # there, on the GPU machine
+    python benchmarks/gpu_proof.py                   # there, on the GPU machine (not run yet)
 
 A GPU machine has its own torch and Python; it lacks this project's other packages and
 reaches no index. So the wheels go with the working tree, and the command there is:
@@ -29,8 +29,9 @@ ROOT = HERE.parent
 OUT = HERE / "RESULTS-gpu.md"
 BENCHMARKS = "step_counts,overhead,nan_check,user_runs"
 # pure Python (or cp312 manylinux) wheels of what the proof imports beyond torch and numpy
+# (wandb is imported only when a run tracks with it; matplotlib only for results.png)
 WHEELS = [
-    "argparse-dataclass", "pyyaml", "tqdm", "wandb", "matplotlib", "pytest", "pluggy",
+    "argparse-dataclass", "pyyaml", "tqdm", "pytest", "pluggy",
     "iniconfig", "pytest-timeout", "pytest-xdist", "execnet", "lightning",
     "lightning-utilities", "torchmetrics", "accelerate", "psutil", "safetensors",
     "huggingface-hub", "hf-xet", "fsspec", "packaging", "typing-extensions",
