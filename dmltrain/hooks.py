@@ -52,7 +52,8 @@ class TrainerHooks(abc.ABC):
         params = list(model.parameters())
         # fused where torch has the kernel: one launch for all the parameters, faster on the
         # CPU too, and it skips a non-finite step on the device (--check-nans, fp16)
-        fused = bool(params) and all(p.device.type in compat.fused_devices() for p in params)
+        kernels = compat.fused_devices()
+        fused = bool(params) and all(p.device.type in kernels for p in params)
         kind = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}.get(cfg.optimizer)
         optimizer_cls = kind or torch.optim.Adam
         return optimizer_cls(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused or None)

@@ -49,10 +49,10 @@ from dmltrain.engine.state import TrainState
 from dmltrain.errors import SharedError, UserError
 from dmltrain.runtime.distributed import Strategy, unwrap
 
-# Settings whose change a resume handles itself (the global batch, _resized) or that
-# name where the run is, not how it trains.
 # an optimizer's settings of how its update runs, not of what it computes
 _EXECUTION = frozenset({"foreach", "fused", "capturable", "differentiable"})
+# Settings whose change a resume handles itself (the global batch, _resized) or that
+# name where the run is, not how it trains.
 _RESUME_OWN = frozenset(
     {"resume", "run_dir", "nprocs", "batch_size", "global_batch_size", "grad_accum",
      "num_workers", "launcher", "status_file", "allow_global_batch_change"}

@@ -367,7 +367,6 @@ class TrainerSetup(TrainingLoop):
         """config.yaml, diagnostics, steps.csv and the tracker (rank 0); the Slurm deadline
         (all ranks)."""
         deadline, steps_log = None, None
-        self._steps_log: StepsLog | None = None
         if self.dist.is_main:
             own = type(self).create_optimizer is not TrainerHooks.create_optimizer
             made = rundir.built(self.optimizers, self._schedulers, own)

@@ -34,7 +34,7 @@ from dmltrain.features.tracking import Tracker
 from dmltrain.hooks import TrainerHooks
 from dmltrain.records import rundir
 from dmltrain.records.files import NotWritten
-from dmltrain.records.training_log import write_training_log
+from dmltrain.records.training_log import StepsLog, write_training_log
 from dmltrain.runtime import preemption
 from dmltrain.runtime.launch import DistInfo
 
@@ -69,6 +69,7 @@ class TrainingLoop(TrainerHooks):
     _events: Events  # the callbacks' listeners, built-in features first
     _features: Features  # the built-in features' own points
     _tracker: Tracker  # rank 0's trackers (an inactive one elsewhere)
+    _steps_log: StepsLog | None  # rank 0's steps.csv (log_metrics writes there too)
     _epochs_this_job: int
 
     @property

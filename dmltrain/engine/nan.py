@@ -136,6 +136,8 @@ class NanChecker:
         self.all_reduce_sum, self.all_gather_object = all_reduce_sum, all_gather_object
         self.report = report
         self.waits = False  # True: an optimizer cannot skip on the device (``wait_for``)
+        self._none = torch.zeros((), dtype=torch.bool, device=device)  # a part not checked
+        self._which: dict[tuple[int, ...], Tensor] = {}  # gradients' indices, by their pattern
         self._reset()
 
     def _reset(self) -> None:
@@ -147,8 +149,6 @@ class NanChecker:
         self._first = torch.zeros(len(KINDS), dtype=torch.int64, device=device)
         self._bad_grads = torch.zeros(len(self.named), dtype=torch.bool, device=device)
         self._skipped = torch.zeros((), dtype=torch.int64, device=device)
-        self._kinds = torch.arange(len(KINDS), device=device)
-        self._which: dict[tuple[int, ...], Tensor] = {}  # gradients' indices, by their pattern
 
     def wait_for(self, optimizers: Sequence[Any], info: Callable[[str], None]) -> None:
         """If an optimizer cannot skip a step on the device, every step reads ``found``
@@ -172,7 +172,7 @@ class NanChecker:
         """This rank's flags for the parts asked for at global ``step`` (a bool vector by
         ``KINDS``, on the device, no sync), added to its records. ``only``: the ids of the
         parameters whose gradients to check (one optimizer's), else all."""
-        device, none = self.device, torch.zeros((), dtype=torch.bool, device=self.device)
+        device, none = self.device, self._none
         with torch.no_grad():
             loss_bad = none if loss is None else ~torch.isfinite(loss).all()
             grad_bad, param_bad = none, none

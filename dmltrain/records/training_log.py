@@ -87,7 +87,6 @@ class StepsLog:
         """``row`` (a log interval's; None: only what ``add`` holds), after the logged rows
         of earlier steps. A new column rewrites the file with it: no value is left out."""
         rows = [self._pending.pop(step) for step in sorted(self._pending)]
-        self._pending = {}
         if row is not None:
             if rows and rows[-1]["step"] == row["step"]:
                 row = {**rows.pop(), **row}
