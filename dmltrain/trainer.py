@@ -1,45 +1,31 @@
 """``BaseTrainer``: the experiment supplies model, data and one step's loss; ``fit`` runs it.
 
-``fit`` starts the workers (``--nprocs``), or sets up (``assembly``) and runs the loop
-(``loop``) or an evaluation (``evaluation``), maps a failure to what the job should do
-(a lost peer, an out-of-memory), always closes the callbacks and records the outcome.
-Its other public methods are what a subclass calls: ``backward`` and ``optimizer_step``
-(``manual_optimization``), ``log_metrics``, ``validate``, ``evaluate``, ``predict``.
+The trainer holds its run (``engine.run.Run``) instead of being the engine: ``fit`` makes
+one and hands it to ``engine.fitting``. What the experiment's own ``self`` carries is its
+hooks (``dmltrain.hooks``), ``config``, ``options``, ``dist``, ``device``, ``strategy``,
+``environment``, the read-only parts below, and the methods a subclass calls:
+``backward`` and ``optimizer_step`` (``manual_optimization``), ``log_metrics``,
+``log_image``, ``validate``, ``evaluate``, ``predict``, ``warn``.
 """
 
-import dataclasses
 import functools
-import json
+import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
-from dmltrain import compat
-from dmltrain.callback import Events
 from dmltrain.config import LoopConfig, TrainConfig, per_process_batch
-from dmltrain.data import samples
-from dmltrain.engine import contract, evaluation, progress
-from dmltrain.engine.assembly import TrainerSetup
+from dmltrain.engine import fitting, loop
 from dmltrain.engine.precision import check_available
-from dmltrain.engine.state import TrainState
+from dmltrain.engine.run import Run
 from dmltrain.engine.step import ManualStep
-from dmltrain.errors import (
-    NonFiniteError,
-    PeerFailed,
-    PeerLost,
-    SharedError,
-    StopForRequeue,
-    UserError,
-)
+from dmltrain.errors import UserError
 from dmltrain.features import images, profiling
-from dmltrain.features.builtin import Features
-from dmltrain.features.tracking import Tracker
 from dmltrain.hooks import TrainerHooks
-from dmltrain.records import rundir
-from dmltrain.records.training_log import read_training_log
-from dmltrain.runtime import launch, preemption, processes
+from dmltrain.runtime import launch
 from dmltrain.runtime.distributed import create_strategy, unwrap
 from dmltrain.runtime.launch import DistInfo
 
@@ -61,7 +47,7 @@ def _engine_names() -> frozenset[str]:
     return frozenset(n for n in names - hooks if not n.startswith(("__", "_abc_")))
 
 
-class BaseTrainer(TrainerSetup):
+class BaseTrainer(TrainerHooks):
     """Subclass, implement the three abstract methods (``dmltrain.hooks``: what else you
     may override), then ``MyTrainer(config).fit()``.
 
@@ -111,58 +97,82 @@ class BaseTrainer(TrainerSetup):
         check_available(self.config.numerics.precision, self.device)
         profiling.check_available(self.config.profiling, self.device)
         self.config.profiling.profiled(dist.world_size)  # a rank beyond the job's is refused
-        self._state = TrainState(self.device)
-        self._tracker = Tracker()  # rank 0's real one is made in setup
-        self._steps_log = None  # rank 0's steps.csv, made in setup
-        self._features = Features()  # the built-in features, made in setup
-        self._events = Events()  # the callbacks' listeners, made in setup
+        self.__run = Run(self)  # made anew by each fit
 
     @property
     def epoch(self) -> int:
         """Epochs completed (the one in progress, 0-based)."""
-        return self._state.epoch
+        return self.__run.state.epoch
 
     @property
     def step_in_epoch(self) -> int:
-        return self._state.step_in_epoch
+        return self.__run.state.step_in_epoch
+
+    @property
+    def model(self) -> nn.Module:
+        """The model as the strategy wrapped it (DDP, FSDP, ``torch.compile``); in
+        ``val_step`` and ``predict_step``, the one that evaluates (no DDP wrapper)."""
+        return self.__run.model
 
     @property
     def unwrapped_model(self) -> nn.Module:
         """The model as ``create_model`` made it, without the DDP or ``torch.compile``
         wrapper: its parameter names are the experiment's (under FSDP its parameters are
         the ranks' shards)."""
-        return unwrap(self.model)
+        return unwrap(self.__run.model)
+
+    @property
+    def optimizers(self) -> tuple[Any, ...]:
+        """``create_optimizer``'s optimizers, as the strategy wrapped them."""
+        return self.__run.optimizers
+
+    @property
+    def optimizer(self) -> Any:
+        """The first of ``optimizers``."""
+        return self.__run.optimizer
+
+    @property
+    def scheduler(self) -> Any:
+        """What ``create_scheduler`` returned."""
+        return self.__run.scheduler
+
+    @property
+    def train_loader(self) -> DataLoader:
+        return self.__run.train_loader
+
+    @property
+    def val_loader(self) -> DataLoader | None:
+        return self.__run.val_loader
+
+    @property
+    def run_dir(self) -> Path:
+        """This run's directory (``--run-dir``, or the one chosen for it)."""
+        return self.__run.run_dir
+
+    @property
+    def total_steps(self) -> int:
+        """Optimizer steps the run takes by --epochs and --max-steps, known before the
+        first (for a schedule stepped each step)."""
+        total = self.__run.total_steps
+        if total is None:
+            raise UserError(
+                "total_steps is unknown: the training stream has no len(); give "
+                "--steps-per-epoch N (or --max-steps N) to size a schedule by steps"
+            )
+        return total
 
     @property
     def global_step(self) -> int:
         """Optimizer steps taken, over all epochs and resumes."""
-        return self._state.global_step
+        return self.__run.state.global_step
 
     def fit(self) -> list[dict[str, Any]]:
         """Train for ``config.epochs`` epochs; returns the training log's rows. Raises
         ``StopForRequeue`` (exit status 3) when the run stopped to go on in a later job."""
         if self.dist.starts_workers:
-            return self._spawn_workers()
-        try:
-            rows = self._fit()
-        except BaseException as exc:
-            self._close(exc)
-            self._record_outcome(exc)
-            raise
-        self._record_outcome(None)  # first: the training is done whatever on_close does
-        self._close(None)
-        return rows
-
-    def _close(self, error: BaseException | None) -> None:
-        """The callbacks' ``on_close``; one that fails while the run fails already is a
-        warning, so the run's own error is the one reported."""
-        for call in self._events.on_close:
-            try:
-                call(self, error)
-            except Exception as exc:
-                if error is None:
-                    raise
-                self.warn(f"a callback's on_close failed too: {exc!r}")
+            return fitting.spawn_workers(self)
+        self.__run = Run(self)
+        return fitting.fit(self.__run)
 
     def log_metrics(self, values: dict[str, Any], step: int | None = None) -> None:
         """Scalars (numbers or one-element tensors) to the trackers and to steps.csv (in
@@ -175,10 +185,10 @@ class BaseTrainer(TrainerSetup):
             return
         at = self.global_step if step is None else step
         scalars = {k: float(v) for k, v in values.items()}
-        if self._tracker.active:
-            self._tracker.log(scalars, at)
-        if self._steps_log is not None:  # steps.csv, in the row of its step
-            self._steps_log.add(at, self.epoch + 1, scalars)
+        if self.__run.tracker.active:
+            self.__run.tracker.log(scalars, at)
+        if self.__run.steps_log is not None:  # steps.csv, in the row of its step
+            self.__run.steps_log.add(at, self.epoch + 1, scalars)
 
     def log_image(self, name: str, image: Any, step: int | None = None) -> None:
         """An image or a matplotlib Figure to the trackers (``features.images`` says what an
@@ -188,81 +198,8 @@ class BaseTrainer(TrainerSetup):
         if not self.dist.is_main:
             return
         image = images.checked(name, image)  # a bad image fails whether tracked or not
-        if self._tracker.active:
-            self._tracker.log_images({name: image}, self.global_step if step is None else step)
-
-    def _record_outcome(self, exc: BaseException | None) -> None:
-        """Rank 0: how this job of the run ended, in RUN_DIR/outcome.json (read by
-        ``dmltrain sweep status``). An evaluation leaves the run's record alone, and so does
-        a job refused before it trained (a resume with other settings, checkpoints that do
-        not load) in a directory that holds a run; a run's first job records its refusal."""
-        evaluating = self.config.checkpoint.evaluating
-        if not self.dist.is_main or not hasattr(self, "run_dir") or evaluating:
-            return
-        refused = isinstance(exc, UserError) and not self._state.training
-        if refused and rundir.holds_run(self.run_dir):
-            return
-        rundir.write_outcome(self.run_dir, exc, self._state.global_step)
-
-    def _fit(self) -> list[dict[str, Any]]:
-        # Signals are caught from here on (setup can take long); the loop acts on them.
-        self._watcher = preemption.PreemptionWatcher(
-            self.config.preemption.signal_names(), worker=self.dist.spawned
-        )
-        evaluating, results, failed = self.config.checkpoint.evaluating, None, True
-        try:
-            self.setup()
-            stopped, results = (None, [self._evaluate()]) if evaluating else (self._train(), None)
-            self._tracker.finish(preempted=stopped is not None)
-            failed = False
-        except torch.OutOfMemoryError as exc:
-            self._tracker.finish()
-            raise profiling.out_of_memory(
-                exc,
-                self.run_dir / "profile",
-                self.dist.rank,
-                self.device,
-                self._state.global_step,
-                self.config,
-                self.strategy.name,
-                profiling.training_state_bytes(self.model, self.optimizers),
-            ) from exc
-        except Exception as exc:
-            self._tracker.finish()
-            lost = self.strategy.lost_peer(exc)
-            if lost is None:  # this rank's own failure (or every rank's at once)
-                if not isinstance(exc, (SharedError, NonFiniteError)):  # every rank's own
-                    self.strategy.announce_failure(exc)
-                bad_data = contract.data(exc)
-                if bad_data is not None:
-                    raise bad_data from None
-                raise
-            alone = isinstance(lost, PeerLost) and hasattr(self, "run_dir")
-            event = rundir.alone(self.run_dir) if alone else None  # rank 0 stopped inside it
-            if event is not None:
-                raise PeerFailed(
-                    f"rank 0 stopped inside the callback event {event}, which only rank 0 "
-                    "runs: a collective called there (a barrier, an all_reduce, ...) waits for "
-                    "the other ranks, which never enter it, or meets their next one; call it "
-                    "in an event every rank runs (on_step_end), or none there. A bug, not a "
-                    "lost node: nothing is requeued"
-                ) from exc
-            if isinstance(lost, PeerLost):  # where a rank hangs, when the watchdog knows
-                lost = self._features.explain(lost)
-            raise lost from exc
-        finally:
-            self._features.stop()
-            self._watcher.restore()
-            for loader in (getattr(self, "train_loader", None), getattr(self, "val_loader", None)):
-                compat.stop_loader_workers(loader)
-            if hasattr(self, "_checkpointer"):
-                self._checkpointer.close(failed)  # never exit with a write half done
-            if hasattr(self, "_run_dir_held"):
-                self._run_dir_held.release()
-            self.strategy.teardown()
-        if stopped is not None:
-            raise StopForRequeue(stopped)
-        return results or self._state.log_rows
+        if self.__run.tracker.active:
+            self.__run.tracker.log_images({name: image}, self.global_step if step is None else step)
 
     def evaluate(self, checkpoint: str | Path, ema: bool = False) -> dict[str, Any]:
         """``--evaluate``: the validation (and test) metrics of ``checkpoint``'s weights (its
@@ -280,16 +217,16 @@ class BaseTrainer(TrainerSetup):
         """In ``train_step`` with ``manual_optimization``: ``loss``'s gradients (scaled with
         fp16, shared among an accumulation's micro-batches). With ``optimizer``, only its
         parameters keep them (a generator's loss leaves the discriminator's gradients)."""
-        self._manual("backward").backward(loss, optimizer)
+        self.__manual("backward").backward(loss, optimizer)
 
     def optimizer_step(self, optimizer: Any) -> None:
         """In ``train_step`` with ``manual_optimization``: ``optimizer``'s update, its
         gradients averaged over the ranks, unscaled, checked (--check-nans) and clipped
         (--grad-clip); at the last micro-batch of an accumulation, a no-op before it."""
-        self._manual("optimizer_step").optimizer_step(optimizer)
+        self.__manual("optimizer_step").optimizer_step(optimizer)
 
-    def _manual(self, what: str) -> ManualStep:
-        step = getattr(self, "_step", None)
+    def __manual(self, what: str) -> ManualStep:
+        step = vars(self.__run).get("step")
         if not isinstance(step, ManualStep):
             raise UserError(
                 f"self.{what}() needs manual_optimization = True on {type(self).__name__} "
@@ -297,56 +234,11 @@ class BaseTrainer(TrainerSetup):
             )
         return step
 
-    def _evaluate(self) -> dict[str, Any]:
-        """--evaluate / --predict: the loaded checkpoint's weights over the validation and
-        test data, no training (``evaluation``). Rank 0 writes and shows the results."""
-        cfg, name = self.config.checkpoint, self.name
-        test_set = self.create_test_dataset()
-        test = None
-        if test_set is not None:
-            test = self.create_dataloader(samples.keyed(test_set, self.config.loop.seed), False)
-        results: dict[str, Any] = {"checkpoint": cfg.evaluating, "ema": cfg.ema}
-        signalled = self._watcher  # a preemption stops it, at the same batch on every rank
-        self._evaluator = dataclasses.replace(
-            self._evaluator,
-            stop=lambda: bool(self.strategy.max_over_ranks([signalled.requested is not None])[0]),
-        )
-        with self._evaluating_model():
-            if cfg.predict:
-                if type(self).predict_step is TrainerHooks.predict_step:
-                    raise UserError(
-                        f"--predict: {type(self).__name__} defines no predict_step(batch); "
-                        "add one returning what to write for a batch"
-                    )
-                loader = test or self.val_loader
-                if loader is None:
-                    raise UserError(f"--predict: {name} has no test or validation dataset")
-                path = self._evaluator.predict(loader, self.predict_step, self.run_dir, self.dist)
-                self._progress.info(f"dmltrain: predicted with {cfg.evaluating} -> {path}")
-                return {**results, "predictions": str(path)}
-            if self.val_loader is None and test is None:
-                raise UserError(f"--evaluate: {name} has no validation or test dataset")
-            sets = {"val": (self.val_loader, self.val_step), "test": (test, self.test_step)}
-            results.update(self._evaluator.evaluate(sets))
-        path = self.run_dir / "eval_metrics.json"
-        if self.dist.is_main:
-            evaluation.write_metrics(path, results)
-            shown = ", ".join(f"{k} {v:.6g}" for k, v in results.items() if "_" in k)
-            self._progress.info(f"dmltrain: evaluated {cfg.evaluating}: {shown} -> {path}")
-        return results
+    def validate(self) -> dict[str, float]:
+        """Validation over the ranks' shards, every sample counted once."""
+        return loop.validate(self.__run)
 
-    def _spawn_workers(self) -> list[dict[str, Any]]:
-        """``--nprocs N``: start N workers here and wait (``processes.spawn_fits``)."""
-        evaluating = self.config.checkpoint.evaluating
-        name = self.name + ("-eval" if evaluating else "")
-        run_dir = Path(self.config.run_dir or rundir.default_path(name, self.dist.job_id))
-        rundir.check(run_dir)
-        config = self.config.replace(
-            run_dir=str(run_dir), progress=progress.for_workers(self.config.loop.progress)
-        )
-        processes.spawn_fits(type(self), self.name, config, self.options, self.dist)
-        if self.config.checkpoint.predict:
-            return [{"predictions": str(run_dir / "predictions" / "predictions.pt")}]
-        if evaluating:
-            return [json.loads((run_dir / "eval_metrics.json").read_text())]
-        return read_training_log(run_dir / "training_log.csv")
+    def warn(self, message: str) -> None:
+        """A warning on stderr; ranks other than 0 prefix theirs with their rank."""
+        prefix = "" if self.dist.is_main else f"[rank {self.dist.rank}] "
+        print(f"{prefix}WARNING: {message}", file=sys.stderr, flush=True)

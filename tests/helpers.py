@@ -28,6 +28,11 @@ TESTS = ROOT / "tests"
 SAMPLE = ROOT / "experiments" / "mnist_sample"
 
 
+def run_of(trainer):
+    """The run a trainer holds (``engine.run.Run``), for tests that look at its parts."""
+    return trainer._BaseTrainer__run
+
+
 def readme_experiment(folder: Path) -> Path:
     """The README's complete experiment (experiment ``line``), written to
     ``folder/my_experiment.py`` as a user would save it: a file, not an installed package."""

@@ -200,14 +200,12 @@ def test_a_gpu_loader_pins_memory_only_where_workers_fill_it(workers):
     assert trainer.create_dataloader(dataset, train=True).pin_memory is (workers > 0)
 
 
-def test_a_trainer_that_defines_an_engine_name_is_refused_when_the_class_is_defined():
-    """A Lightning habit (def setup) or a counter (_step = 0) would replace a part of the
-    engine and fail deep inside the run; a name of the user's own (step) trains."""
-    for body in (
-        "def setup(self):\n        pass",
-        "_step = 0",
-        "def validate(self):\n        pass",
-    ):
+def test_the_users_own_names_train_and_the_documented_ones_are_refused_in_one_line(tmp_path):
+    """The engine is not the user's object: a Lightning habit (def setup), the counter
+    idiom (self._step = 0) and names like step, monitor, budget and _state are the
+    experiment's own and the run trains; a documented name (validate, model,
+    global_step) defined again is refused when the class is defined."""
+    for body in ("def validate(self):\n        pass", "model = None", "global_step = 0"):
         with pytest.raises(TypeError) as refused:
             exec(f"class Mine(TinyTrainer):\n    {body}\n", {"TinyTrainer": TinyTrainer})
         assert str(refused.value).startswith("Mine defines ")
@@ -217,8 +215,30 @@ def test_a_trainer_that_defines_an_engine_name_is_refused_when_the_class_is_defi
         name = "mine"  # the class attributes an experiment sets stay its own
         manual_optimization = False
 
+        def setup(self):
+            self.set_up = True
+
         def step(self):
             return "the user's"
 
-    trainer = Mine(TrainConfig(epochs=1, progress="off"), TinyOptions(), dist=DistInfo())
-    assert trainer.step() == "the user's"
+        def monitor(self):
+            return "mine too"
+
+        def on_train_start(self):
+            self._step = 0
+            self._state = {"seen": 0}
+            self.budget = "the user's"
+
+        def train_step(self, batch):
+            if self.model.training:  # not the default val_step's call
+                self._step += 1
+                self._state["seen"] += 1
+            return super().train_step(batch)
+
+    run = tmp_path / "run"
+    trainer = Mine(TrainConfig(epochs=2, progress="off", run_dir=str(run)), TinyOptions())
+    rows = trainer.fit()
+    assert len(rows) == 2 and trainer.global_step == trainer._step == trainer._state["seen"] > 0
+    assert trainer.step() == "the user's" and trainer.monitor() == "mine too"
+    assert not hasattr(trainer, "set_up")  # the user's setup is no part of the run
+    assert (run / "checkpoints" / "latest.pt").exists()

@@ -7,7 +7,7 @@ own, which ``Feature`` adds: ``validation`` (extra columns of a validation), ``q
 (around validation and checkpoint writes), ``explain`` (a lost peer) and ``stop`` (when
 the run's processes end, before the process group goes).
 
-Run order is part of the bitwise promise: ``TrainerSetup.setup`` registers them before
+Run order is part of the bitwise promise: ``assembly.assemble`` registers them before
 the experiment's callbacks, EMA first (its update reads the weights the step made, before
 anything else at the step's end).
 """
@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from dmltrain.callback import Callback
+from dmltrain.engine.state import TrainState
 from dmltrain.errors import PeerLost
 from dmltrain.features.ema import EMA
 from dmltrain.features.profiling import Profiler
@@ -47,11 +48,11 @@ class EmaFeature(Feature):
     """``--ema-decay``: the averaged weights, updated after every step (a step rolled back
     by ``--on-nan rollback`` is not one) and validated beside the model's."""
 
-    def __init__(self, ema: EMA, validated: bool) -> None:
-        self.ema, self.validated = ema, validated
+    def __init__(self, ema: EMA, validated: bool, state: TrainState) -> None:
+        self.ema, self.validated, self.state = ema, validated, state
 
     def on_step_end(self, trainer: Any) -> None:
-        s = trainer._state
+        s = self.state
         if not s.skip_steps or (s.epoch + 1, s.step_in_epoch) not in s.skip_steps:
             self.ema.update(s.global_step)
 
@@ -69,10 +70,10 @@ class ProfilerFeature(Feature):
         self.profiler = profiler
 
     def on_train_start(self, trainer: Any) -> None:
-        self.profiler.at(trainer._state.global_step)
+        self.profiler.at(trainer.global_step)
 
     def on_step_end(self, trainer: Any) -> None:
-        self.profiler.at(trainer._state.global_step)
+        self.profiler.at(trainer.global_step)
 
     def stop(self) -> None:
         self.profiler.close()
@@ -104,8 +105,7 @@ class StepsLogFeature(Feature):
         self.log = log
 
     def on_log(self, trainer: Any, values: Any) -> None:
-        s = trainer._state
-        self.log.write({"step": s.global_step, "epoch": s.epoch + 1, **values})
+        self.log.write({"step": trainer.global_step, "epoch": trainer.epoch + 1, **values})
 
     def stop(self) -> None:
         self.log.write()  # what log_metrics gave after the last log interval

@@ -4,7 +4,7 @@ and everything falls on the very steps where testing at every step puts it."""
 import torch
 
 from dmltrain import Callback, TrainConfig
-from dmltrain.engine.loop import TrainingLoop
+from dmltrain.engine.loop import Loop
 from dmltrain.runtime.preemption import AgreementSchedule
 from tiny import TinyTrainer
 
@@ -45,7 +45,7 @@ def fit(tmp_path, name, monkeypatch, calm):
     monkeypatch.setattr(AgreementSchedule, "proposal", lambda schedule: 6)
     monkeypatch.setattr(AgreementSchedule, "agreed", agreed)
     if not calm:
-        monkeypatch.setattr(TrainingLoop, "_calm", lambda loop, step, last: 0)
+        monkeypatch.setattr(Loop, "_calm", lambda loop, step, last: 0)
     trainer = Watched(
         TrainConfig(
             run_dir=str(tmp_path / name),

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import run_cli
+from helpers import run_cli, run_of
 
 from dmltrain import TrainConfig
 from dmltrain.engine.step import OptimizerStep
@@ -38,8 +38,8 @@ def test_the_usual_step_takes_the_general_steps_bit_for_bit(tmp_path):
     # A clip no gradient reaches sends the step down the general path (gradients
     # unscaled, clipped by a factor of exactly 1.0), with the same updates.
     general, general_log = fit(tmp_path, "general", grad_clip=1e9)
-    assert usual._step.run.__func__ is OptimizerStep._run_usual
-    assert general._step.run.__func__ is OptimizerStep.run
+    assert run_of(usual).step.run.__func__ is OptimizerStep._run_usual
+    assert run_of(general).step.run.__func__ is OptimizerStep.run
     assert "train_mae" in usual_log[0]
     for row in (*usual_log, *general_log):
         row.pop("epoch_time_s")

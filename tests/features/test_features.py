@@ -7,14 +7,14 @@ import contextlib
 import torch
 
 from dmltrain import TrainConfig
+from dmltrain.engine.assembly import assemble
+from dmltrain.engine.run import Run
 from dmltrain.engine.state import TrainState
 from dmltrain.errors import PeerLost
 from dmltrain.features.builtin import (
     EmaFeature,
     Feature,
     Features,
-    ProfilerFeature,
-    StepsLogFeature,
 )
 from dmltrain.features.ema import EMA
 from dmltrain.runtime.preemption import PreemptionWatcher
@@ -29,9 +29,10 @@ class Listening(TinyTrainer):
 def set_up(tmp_path, **config):
     trainer = Listening(TrainConfig(run_dir=str(tmp_path / "run"), epochs=1, **config),
                         TinyOptions())  # fmt: skip
-    trainer._watcher = PreemptionWatcher([])  # fit's signal watcher, of no signal here
-    trainer.setup()
-    return trainer
+    run = Run(trainer)
+    run.watcher = PreemptionWatcher([])  # fit's signal watcher, of no signal here
+    assemble(run)
+    return run
 
 
 def owners(listeners):
@@ -39,45 +40,42 @@ def owners(listeners):
 
 
 def test_features_that_are_off_are_not_registered(tmp_path):
-    trainer = set_up(tmp_path, hang_watchdog=False, monitor=False)
+    run = set_up(tmp_path, hang_watchdog=False, monitor=False)
     try:
-        assert [type(f).__name__ for f in trainer._features.all] == ["StepsLogFeature"]
-        assert owners(trainer._events.on_step_end) == ["EveryEvent"]
+        assert [type(f).__name__ for f in run.features.all] == ["StepsLogFeature"]
+        assert owners(run.events.on_step_end) == ["EveryEvent"]
     finally:
-        trainer._features.stop()
-        trainer._run_dir_held.release()
+        run.features.stop()
+        run.run_dir_held.release()
 
 
 def test_features_run_before_the_callbacks_and_ema_first(tmp_path):
-    trainer = set_up(tmp_path, ema_decay=0.9, profile_steps="2:3")
+    run = set_up(tmp_path, ema_decay=0.9, profile_steps="2:3")
     try:
-        names = [type(f).__name__ for f in trainer._features.all]
+        names = [type(f).__name__ for f in run.features.all]
         assert names == ["EmaFeature", "ProfilerFeature", "WatchdogFeature", "StepsLogFeature"]
-        assert owners(trainer._events.on_step_end) == ["EmaFeature", "ProfilerFeature",
+        assert owners(run.events.on_step_end) == ["EmaFeature", "ProfilerFeature",
                                                        "EveryEvent"]  # fmt: skip
-        assert owners(trainer._events.on_log) == ["StepsLogFeature", "EveryEvent"]
+        assert owners(run.events.on_log) == ["StepsLogFeature", "EveryEvent"]
     finally:
-        trainer._features.stop()
-        trainer._run_dir_held.release()
+        run.features.stop()
+        run.run_dir_held.release()
 
 
 def test_ema_skips_a_step_dropped_by_a_rollback():
     model = torch.nn.Linear(2, 1)
     ema = EMA(model, decay=0.5, warmup_steps=0, every_steps=1)
-    feature = EmaFeature(ema, validated=False)
     state = TrainState(torch.device("cpu"))
-
-    class Trainer:
-        _state = state
+    feature = EmaFeature(ema, validated=False, state=state)
 
     with torch.no_grad():
         model.weight.add_(1.0)
     state.global_step, state.step_in_epoch, state.skip_steps = 3, 3, {(1, 3)}
-    feature.on_step_end(Trainer())  # the dropped step (epoch 1, step 3): no update
+    feature.on_step_end(None)  # the dropped step (epoch 1, step 3): no update
     assert not torch.equal(ema.state_dict()["weight"], model.weight)
     state.skip_steps = set()
     before = ema.state_dict()["weight"].clone()
-    feature.on_step_end(Trainer())
+    feature.on_step_end(None)
     assert torch.allclose(ema.state_dict()["weight"], (before + model.weight) / 2)
 
 
@@ -115,29 +113,3 @@ def test_the_engine_points_reach_every_feature_that_has_them(tmp_path):
     with nothing.quiet():
         pass
     assert nothing.validation(lambda: {"loss": 1.0}) == {}
-
-
-def test_profiler_and_steps_log_read_the_engine_state_not_user_names(tmp_path):
-    """A subclass may name its own attributes epoch or global_step: the features read the
-    engine's counters."""
-    calls = []
-
-    class Profiler:
-        def at(self, step):
-            calls.append(("at", step))
-
-    class Log:
-        def write(self, row):
-            calls.append(("row", row))
-
-    state = TrainState(torch.device("cpu"))
-    state.global_step, state.epoch = 7, 2
-
-    class Trainer:
-        _state = state
-        global_step = "the user's"
-        epoch = "the user's"
-
-    ProfilerFeature(Profiler()).on_step_end(Trainer())
-    StepsLogFeature(Log()).on_log(Trainer(), {"loss": 0.5})
-    assert calls == [("at", 7), ("row", {"step": 7, "epoch": 3, "loss": 0.5})]
