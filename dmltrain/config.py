@@ -752,8 +752,22 @@ class MonitorConfig:
         },
     )
 
+    gradient_noise_scale: int = field(
+        default=0,
+        metadata={
+            "help": "estimate the gradient noise scale (the batch size past which a larger one "
+            "gains little) from the gradients of every N steps: gradient_noise_scale in "
+            "steps.csv; 0: off"
+        },
+    )
+
     def __post_init__(self) -> None:
         check(self.straggler_factor > 1, "--straggler-factor must be above 1")
+        check(
+            self.gradient_noise_scale == 0 or self.gradient_noise_scale >= 2,
+            f"--gradient-noise-scale must be 0 (off) or at least 2 steps "
+            f"(got {self.gradient_noise_scale})",
+        )
 
 
 # The hang watchdog's automatic timeout (dmltrain.features.watchdog).

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from dmltrain import callback
-from dmltrain.callback import Events
+from dmltrain.callback import Callback, Events
 from dmltrain.checkpoint.checkpointer import Checkpointer, Saved
 from dmltrain.config import as_plain, to_yaml
 from dmltrain.data import rng, samples, streams
@@ -36,12 +36,14 @@ from dmltrain.errors import UserError
 from dmltrain.features import monitor, profiling
 from dmltrain.features.builtin import (
     EmaFeature,
-    Features,
     ProfilerFeature,
+    StepScalars,
     StepsLogFeature,
+    TrackerFeature,
     WatchdogFeature,
 )
 from dmltrain.features.ema import EMA
+from dmltrain.features.gradient_noise import GradientNoiseScale
 from dmltrain.features.monitor import Monitor, StepClock, peak_flops
 from dmltrain.features.tracking import create_trackers
 from dmltrain.features.watchdog import Watchdog
@@ -88,7 +90,8 @@ def assemble(run: Run) -> None:
     run.precision = Precision(cfg.numerics.precision, trainer.device)
     set_matmul_precision(cfg.numerics.matmul_precision, trainer.device)
     profiler = _profiler_feature(run)  # before the model: its memory is recorded
-    run.features = Features([profiler] if profiler is not None else [])
+    early = [profiler] if profiler is not None else []  # stopped however setup ends
+    run.events = Events(early)
     torch.manual_seed(loop.seed)  # the same initial weights on every rank
     run.model = sharding.place(
         trainer.create_model,
@@ -153,7 +156,7 @@ def assemble(run: Run) -> None:
     callbacks = (
         [] if evaluating else callback.create(trainer.create_callbacks(), loop.callback_names())
     )
-    run.events = Events(callbacks)
+    run.events = Events([*early, *callbacks])
     fire(run, run.events.on_setup)
     states = {} if evaluating else callback.states(callbacks, trainer.create_states())
     saved = Saved(
@@ -208,16 +211,21 @@ def assemble(run: Run) -> None:
         run.checkpointer.save(best=False)  # something to roll back to from step 1
     run.step_clock = StepClock(trainer.device, timing=cfg.monitoring.monitor)
     _start_monitor(run)
-    _make_step(run)
     watchdog = _watchdog_feature(run)
-    steps_log = _start_records(run, plain)
+    records = _start_records(run, plain)
     # Run order, part of the bitwise promise: the EMA update first at a step's end.
-    ema_feature = None if ema is None else EmaFeature(ema, avg.ema_eval, run.state)
-    cache = CompileCache(run.run_dir, trainer.warn) if loop.compile and dist.is_main else None
-    built_in = [f for f in (ema_feature, profiler, watchdog, steps_log, cache) if f is not None]
-    run.features = Features(built_in)
-    run.checkpointer.quiet = run.features.quiet
-    run.events = Events([*built_in, *callbacks])
+    built_in = [
+        None if ema is None else EmaFeature(ema, avg.ema_eval, run.state),
+        profiler,
+        watchdog,
+        StepScalars(run.precision, lambda: run.step.grad_norm),
+        _gradient_noise(run),
+        *records,
+        CompileCache(run.run_dir, trainer.warn) if loop.compile and dist.is_main else None,
+    ]
+    run.events = Events([*(f for f in built_in if f is not None), *callbacks])
+    run.checkpointer.quiet = run.events.around_long_work
+    _make_step(run)  # with every listener of on_before_optimizer_step
 
 
 def _make_step(run: Run) -> None:
@@ -364,11 +372,22 @@ def _leave_for_a_hang(run: Run, status: int) -> None:
     os._exit(status)
 
 
-def _start_records(run: Run, plain: dict[str, Any]) -> StepsLogFeature | None:
+def _gradient_noise(run: Run) -> GradientNoiseScale | None:
+    """--gradient-noise-scale N: the estimate over every N steps' gradients."""
+    trainer = run.trainer
+    cfg, window = trainer.config, trainer.config.monitoring.gradient_noise_scale
+    if not window:
+        return None
+    batch = trainer.dist.world_size * cfg.loop.batch_size * cfg.loop.grad_accum
+    parameters = [p for p in run.model.parameters() if p.requires_grad]
+    return GradientNoiseScale(parameters, window, batch, trainer.strategy.all_reduce_sum)
+
+
+def _start_records(run: Run, plain: dict[str, Any]) -> list[Callback]:
     """config.yaml, diagnostics, steps.csv and the tracker (rank 0); the Slurm deadline
     (all ranks)."""
     trainer = run.trainer
-    deadline, steps_log = None, None
+    deadline, records = None, list[Callback]()
     if trainer.dist.is_main:
         own = type(trainer).create_optimizer is not TrainerHooks.create_optimizer
         made = rundir.built(run.optimizers, run.schedulers, own)
@@ -399,7 +418,7 @@ def _start_records(run: Run, plain: dict[str, Any]) -> StepsLogFeature | None:
         )
         run.progress.info(rundir.write_records(run.run_dir, text, info))
         run.steps_log = StepsLog(run.run_dir / "steps.csv", run.state.global_step, trainer.warn)
-        steps_log = StepsLogFeature(run.steps_log)
+        records.append(StepsLogFeature(run.steps_log))
         run.tracker = create_trackers(
             trainer.config.tracking,
             trainer.environment.wandb_mode,
@@ -411,9 +430,11 @@ def _start_records(run: Run, plain: dict[str, Any]) -> StepsLogFeature | None:
             run.progress.info,
             diagnostics.job_tags(info),
         )
+        if run.tracker.active:
+            records.append(TrackerFeature(run.tracker))
         run.state.tracking_run_id = run.tracker.run_id
         run.state.tracker_run_ids = run.tracker.run_ids
         minutes = trainer.config.preemption.stop_before_end_minutes  # rank 0 asks Slurm, once
         deadline = preemption.stop_deadline(trainer.dist.job_id, minutes, trainer.warn)
     run.watcher.stop_at(trainer.strategy.broadcast_object(deadline), run.progress.info)
-    return steps_log
+    return records

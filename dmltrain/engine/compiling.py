@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dmltrain.features.builtin import Feature
+from dmltrain.callback import Callback
 from dmltrain.records.files import NotWritten, write_atomic
 
 CACHE = "compile_cache.bin"
@@ -59,7 +59,7 @@ def compile_model(model: nn.Module, plain: nn.Module, run_dir: Path, say: Any) -
     return model
 
 
-class CompileCache(Feature):
+class CompileCache(Callback):
     """Rank 0 saves the compiled code once a job, at the first checkpoint after the first
     step (compiling happens at the first call)."""
 

@@ -123,10 +123,10 @@ def _fit(run: Run) -> list[dict[str, Any]]:
                 "lost node: nothing is requeued"
             ) from exc
         if isinstance(lost, PeerLost):  # where a rank hangs, when the watchdog knows
-            lost = run.features.explain(lost)
+            lost = run.events.explain(lost)
         raise lost from exc
     finally:
-        run.features.stop()
+        run.events.on_stop()
         run.watcher.restore()
         for loader in (vars(run).get("train_loader"), vars(run).get("val_loader")):
             compat.stop_loader_workers(loader)

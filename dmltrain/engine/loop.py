@@ -63,7 +63,7 @@ class Loop:
                     return outcome
                 best, done = False, None
                 if not (outcome and outcome.validated):
-                    with run.features.quiet():
+                    with run.events.around_long_work():
                         row, best, done = self._epoch_row(epoch, partial=outcome is not None)
                         if outcome is None:
                             self._close_epoch(epoch, row)
@@ -129,7 +129,7 @@ class Loop:
                 self._log_interval(step, epoch)
             within = steps is None or step < steps  # not the epoch's last step
             if every and s.global_step % every == 0 and within and run.val_loader:
-                with run.features.quiet():
+                with run.events.around_long_work():
                     _, best, stop_early = self._epoch_row(s.epoch, partial=True)
                 run.model.train()
                 clock.restart()
@@ -163,27 +163,21 @@ class Loop:
         return self.agreement.skip(min(left) - 1)
 
     def _log_interval(self, step: int, epoch: int) -> None:
-        """Every rank's clocks and metric sums (collectives), then rank 0 shows, records and
-        tracks."""
+        """Every rank's clocks, metric sums and callbacks' ``scalars`` (collectives), then
+        rank 0 shows them and hands the row to ``on_log`` (steps.csv, trackers, ...)."""
         run, dist = self.run, self.trainer.dist
         s = run.state
         monitored = run.monitor.interval(s.global_step)
         means = train_means(run)
+        extra = run.events.scalars(self.trainer)
         shown = run.progress.step(step, s.metrics.count, lambda: means, dist.is_main, monitored)
         if shown is None:  # not rank 0
             return
-        values = {**shown, "lr": _lr(run)}
-        if run.step.grad_norm is not None:
-            values["grad_norm"] = float(run.step.grad_norm)
-        if run.precision.scale is not None:
-            values["grad_scale"] = float(run.precision.scale)
-            values["skipped_steps"] = int(run.precision.skipped)
+        values = {**shown, **extra}
         if dist.world_size > 1 and run.events.on_log:
             self._alone("on_log", values)
         else:
             fire(run, run.events.on_log, values)
-        if run.tracker.active:
-            run.tracker.log({f"train/{k}": v for k, v in values.items()}, s.global_step)
 
     def _epoch_row(self, epoch: int, partial: bool) -> tuple[dict[str, Any], bool, str | None]:
         """Training means and validation make the epoch's row of the training log (the
@@ -195,7 +189,7 @@ class Loop:
         train = train_means(run)
         val = validate(run) if run.val_loader is not None else {}
         if val:
-            val.update(run.features.validation(functools.partial(validate, run)))
+            val.update(run.events.validation(trainer, functools.partial(validate, run)))
         row: dict[str, Any] = {"epoch": epoch + 1, "step": s.global_step}
         row.update({f"train_{k}": v for k, v in train.items()})
         row.update({f"val_{k}": v for k, v in val.items()})

@@ -26,7 +26,6 @@ if TYPE_CHECKING:
     from dmltrain.engine.progress import Progress
     from dmltrain.engine.state import TrainState
     from dmltrain.engine.step import ManualStep, OptimizerStep
-    from dmltrain.features.builtin import Features
     from dmltrain.features.monitor import Monitor, StepClock
     from dmltrain.features.tracking import Tracker
     from dmltrain.records import rundir
@@ -74,14 +73,12 @@ class Run:
     monitor: "Monitor"  # throughput, data stalls, stragglers at each log interval
     step: "OptimizerStep | ManualStep"  # one optimizer step (dmltrain.engine.step)
     events: "Events"  # the callbacks' listeners, built-in features first
-    features: "Features"  # the built-in features' own points
     tracker: "Tracker"  # rank 0's trackers (an inactive one elsewhere)
     steps_log: "StepsLog | None"  # rank 0's steps.csv (log_metrics writes there too)
 
     def __init__(self, trainer: "BaseTrainer") -> None:
         from dmltrain.callback import Events
         from dmltrain.engine.state import TrainState
-        from dmltrain.features.builtin import Features
         from dmltrain.features.tracking import Tracker
 
         self.trainer = trainer
@@ -89,7 +86,6 @@ class Run:
         self.state = TrainState(trainer.device)
         self.tracker = Tracker()
         self.steps_log = None
-        self.features = Features()
         self.events = Events()
 
     def __getattr__(self, name: str) -> Any:

@@ -1,147 +1,123 @@
 """The built-in optional features as callbacks of the loop: EMA, the profiler, the hang
-watchdog and steps.csv. Each is made from its settings only when it is on, so a feature
-that is off is not registered and costs nothing.
+watchdog, the step's own scalars, steps.csv and the trackers. Each is made from its settings
+only when it is on, so a feature that is off is not registered and costs nothing.
 
-They listen to the public events (``dmltrain.callback``) and to four of the engine's
-own, which ``Feature`` adds: ``validation`` (extra columns of a validation), ``quiet``
-(around validation and checkpoint writes), ``explain`` (a lost peer) and ``stop`` (when
-the run's processes end, before the process group goes).
+They are ``Callback`` s like the experiment's, on the same events (``dmltrain.callback``),
+the advanced ones included: ``scalars`` (values of a log interval), ``validation`` (extra
+columns of a validation), ``around_long_work``, ``explain`` and ``on_stop``.
 
-Run order is part of the bitwise promise: ``assembly.assemble`` registers them before
-the experiment's callbacks, EMA first (its update reads the weights the step made, before
+Run order is part of the bitwise promise: ``assembly.assemble`` registers them before the
+experiment's callbacks, EMA first (its update reads the weights the step made, before
 anything else at the step's end).
 """
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from dmltrain.callback import Callback
+from dmltrain.callback import Callback, TrainerView
+from dmltrain.engine.precision import Precision
 from dmltrain.engine.state import TrainState
 from dmltrain.errors import PeerLost
 from dmltrain.features.ema import EMA
 from dmltrain.features.profiling import Profiler
+from dmltrain.features.tracking import Tracker
 from dmltrain.features.watchdog import Watchdog
 from dmltrain.records.training_log import StepsLog
 
 
-class Feature(Callback):
-    """A built-in feature: the public events, and the engine's points below."""
-
-    def validation(self, validate: Callable[[], dict[str, float]]) -> dict[str, float]:
-        """More columns for a validation's row (``validate`` runs it again)."""
-        return {}
-
-    def quiet(self) -> contextlib.AbstractContextManager[Any]:
-        """Around work that is not a step (validation, checkpoint writes)."""
-        return contextlib.nullcontext()
-
-    def explain(self, lost: PeerLost) -> PeerLost:
-        """A lost peer, said better where this feature knows more."""
-        return lost
-
-    def stop(self) -> None:
-        """The run's processes are ending (success or not): let go of threads and files."""
-
-
-class EmaFeature(Feature):
+class EmaFeature(Callback):
     """``--ema-decay``: the averaged weights, updated after every step (a step rolled back
     by ``--on-nan rollback`` is not one) and validated beside the model's."""
 
     def __init__(self, ema: EMA, validated: bool, state: TrainState) -> None:
         self.ema, self.validated, self.state = ema, validated, state
 
-    def on_step_end(self, trainer: Any) -> None:
+    def on_step_end(self, trainer: TrainerView) -> None:
         s = self.state
         if not s.skip_steps or (s.epoch + 1, s.step_in_epoch) not in s.skip_steps:
             self.ema.update(s.global_step)
 
-    def validation(self, validate: Callable[[], dict[str, float]]) -> dict[str, float]:
+    def validation(
+        self, trainer: TrainerView, validate: Callable[[], dict[str, float]]
+    ) -> Mapping[str, float]:
         if not self.validated:
             return {}
         with self.ema.swapped_in():
             return {f"ema_{k}": v for k, v in validate().items()}
 
 
-class ProfilerFeature(Feature):
+class ProfilerFeature(Callback):
     """``--profile-steps``, ``--memory-snapshot``: this rank's profile window."""
 
     def __init__(self, profiler: Profiler) -> None:
         self.profiler = profiler
 
-    def on_train_start(self, trainer: Any) -> None:
+    def on_train_start(self, trainer: TrainerView) -> None:
         self.profiler.at(trainer.global_step)
 
-    def on_step_end(self, trainer: Any) -> None:
+    def on_step_end(self, trainer: TrainerView) -> None:
         self.profiler.at(trainer.global_step)
 
-    def stop(self) -> None:
+    def on_stop(self) -> None:
         self.profiler.close()
 
 
-class WatchdogFeature(Feature):
+class WatchdogFeature(Callback):
     """``--hang-watchdog``: a rank whose step does not end is named, with its stack."""
 
     def __init__(self, watchdog: Watchdog) -> None:
         self.watchdog = watchdog
 
-    def on_train_start(self, trainer: Any) -> None:
+    def on_train_start(self, trainer: TrainerView) -> None:
         self.watchdog.start()
 
-    def quiet(self) -> contextlib.AbstractContextManager[Any]:
+    def around_long_work(self) -> contextlib.AbstractContextManager[Any]:
         return self.watchdog.paused()
 
     def explain(self, lost: PeerLost) -> PeerLost:
         return self.watchdog.explain(lost)
 
-    def stop(self) -> None:
+    def on_stop(self) -> None:
         self.watchdog.stop()
 
 
-class StepsLogFeature(Feature):
+class StepScalars(Callback):
+    """The step's own values at each log interval: the learning rate, the gradient norm
+    (``--grad-clip``) and the fp16 loss scale with the steps it skipped."""
+
+    def __init__(self, precision: Precision, grad_norm: Callable[[], Any]) -> None:
+        self.precision, self.grad_norm = precision, grad_norm
+
+    def scalars(self, trainer: TrainerView) -> Mapping[str, Any]:
+        values: dict[str, Any] = {"lr": trainer.optimizer.param_groups[0]["lr"]}
+        norm = self.grad_norm()
+        if norm is not None:
+            values["grad_norm"] = norm
+        if self.precision.scale is not None:
+            values["grad_scale"] = self.precision.scale
+            values["skipped_steps"] = self.precision.skipped
+        return values
+
+
+class StepsLogFeature(Callback):
     """steps.csv (rank 0): the scalars of each log interval."""
 
     def __init__(self, log: StepsLog) -> None:
         self.log = log
 
-    def on_log(self, trainer: Any, values: Any) -> None:
+    def on_log(self, trainer: TrainerView, values: Mapping[str, float]) -> None:
         self.log.write({"step": trainer.global_step, "epoch": trainer.epoch + 1, **values})
 
-    def stop(self) -> None:
+    def on_stop(self) -> None:
         self.log.write()  # what log_metrics gave after the last log interval
 
 
-class Features:
-    """The built-in features of a run, in run order, and the engine's points over them."""
+class TrackerFeature(Callback):
+    """The trackers (rank 0): the scalars of each log interval, under ``train/``."""
 
-    def __init__(self, features: Iterable[Feature] = ()) -> None:
-        self.all = tuple(features)
-        base = Feature
-        own = {
-            name: tuple(f for f in self.all if getattr(type(f), name) is not getattr(base, name))
-            for name in ("validation", "quiet", "explain", "stop")
-        }
-        self._validation, self._quiet = own["validation"], own["quiet"]
-        self._explain, self._stop = own["explain"], own["stop"]
+    def __init__(self, tracker: Tracker) -> None:
+        self.tracker = tracker
 
-    def validation(self, validate: Callable[[], dict[str, float]]) -> dict[str, float]:
-        extra: dict[str, float] = {}
-        for feature in self._validation:
-            extra.update(feature.validation(validate))
-        return extra
-
-    @contextlib.contextmanager
-    def quiet(self) -> Iterator[None]:
-        with contextlib.ExitStack() as stack:
-            for feature in self._quiet:
-                stack.enter_context(feature.quiet())
-            yield
-
-    def explain(self, lost: PeerLost) -> PeerLost:
-        for feature in self._explain:
-            lost = feature.explain(lost)
-        return lost
-
-    def stop(self) -> None:
-        for feature in self._stop:
-            feature.stop()
+    def on_log(self, trainer: TrainerView, values: Mapping[str, float]) -> None:
+        self.tracker.log({f"train/{k}": v for k, v in values.items()}, trainer.global_step)
