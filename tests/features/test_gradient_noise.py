@@ -58,5 +58,6 @@ def test_a_run_logs_it_to_steps_csv_and_trains_as_without_it(tmp_path):
 
 
 def test_a_window_of_one_step_is_refused():
-    with pytest.raises(ConfigError, match=r"--gradient-noise-scale must be 0 \(off\) or at least 2"):
+    said = r"--gradient-noise-scale must be 0 \(off\) or at least 2"
+    with pytest.raises(ConfigError, match=said):
         TrainConfig(gradient_noise_scale=1)
