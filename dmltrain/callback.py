@@ -21,19 +21,11 @@ global generators (``torch``, ``numpy``, ``random``): use a ``torch.Generator`` 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol
 
 from dmltrain import plugins
+from dmltrain.checkpoint.stateful import Stateful
 from dmltrain.errors import PeerLost, UserError, first_line
-
-
-@runtime_checkable
-class Stateful(Protocol):
-    """What a checkpoint can hold: an object with ``state_dict`` and ``load_state_dict``."""
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class TrainerView(Protocol):

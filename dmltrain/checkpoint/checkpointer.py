@@ -17,19 +17,14 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from dmltrain.checkpoint import schedules
 from dmltrain.checkpoint.handout import hand_out
-from dmltrain.checkpoint.model_state import (
-    check_model_fits,
-    load_optimizers_state_by_name,
-    optimizers_state_by_name,
-    shapes_of,
-)
+from dmltrain.checkpoint.stateful import Stateful
 from dmltrain.checkpoint.storage import (
     SHARDED,
     CheckpointDir,
@@ -43,11 +38,9 @@ from dmltrain.checkpoint.storage import (
 from dmltrain.config import CheckpointConfig
 from dmltrain.data.rng import rng_state, seed_everything, set_rng_state
 from dmltrain.data.samples import sample_seed
-from dmltrain.engine.metrics import merge_states
-from dmltrain.engine.precision import Precision
-from dmltrain.engine.state import TrainState
 from dmltrain.errors import SharedError, UserError
 from dmltrain.runtime.distributed import Strategy, unwrap
+from dmltrain.runtime.model_state import check_model_fits, dcp, dcp_optimizers, shapes_of
 
 # an optimizer's settings of how its update runs, not of what it computes
 _EXECUTION = frozenset({"foreach", "fused", "capturable", "differentiable"})
@@ -102,11 +95,6 @@ def _instead(value: Any) -> str:
     return ""
 
 
-def _dcp_optim(saved: "Saved") -> Any:
-    """The optimizer, or several, as torch.distributed.checkpoint takes them."""
-    return saved.optimizers[0] if len(saved.optimizers) == 1 else saved.optimizers
-
-
 def _schedulers_state(schedulers: tuple[Any, ...]) -> Any:
     """A checkpoint's "scheduler": None, one scheduler's state, or a list of them."""
     if not schedulers:
@@ -133,12 +121,23 @@ def _load_schedulers(
         schedules.load(scheduler, state, path, say)
 
 
-def _dcp() -> Any:
-    """torch.distributed.checkpoint.state_dict, imported when first needed (FSDP, sharded
-    checkpoints): it is slow to import and large."""
-    from torch.distributed.checkpoint import state_dict
+class RunState(Protocol):
+    """Where the run is (``engine.state.TrainState``), as a checkpoint saves and loads it."""
 
-    return state_dict
+    epoch: int
+    step_in_epoch: int
+    global_step: int
+    skip_steps: set[tuple[int, int]]
+    world_size_changes: list[dict[str, Any]]
+
+    @property
+    def metrics(self) -> Stateful: ...  # this rank's sums of the epoch so far
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_ranks(
+        self, state: dict[str, Any], per_rank: list[dict[str, Any] | None], rank: int, same: bool
+    ) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -148,8 +147,8 @@ class Saved:
     model: nn.Module
     optimizers: tuple[Any, ...]  # create_optimizer's, wrapped by the strategy
     schedulers: tuple[Any, ...]  # create_scheduler's, none or one for each optimizer
-    precision: Precision
-    state: TrainState
+    precision: Stateful  # the grad scaler's
+    state: RunState
     ema: Any = None  # dmltrain.features.ema.EMA with --ema-decay
     # callbacks' and the experiment's (dmltrain.callback.states), by key
     states: Mapping[str, Any] = field(default_factory=dict)
@@ -188,12 +187,10 @@ class Checkpointer:
         self.run_config, self.say, self.warn = run_config, say, warn
         self.files = CheckpointDir(directory, config.keep_last, config.async_checkpoint)
         fmt = config.checkpoint_format
-        self.sharded = fmt == "sharded" or (fmt == "auto" and strategy.name == "fsdp")
-        if self.sharded and strategy.name == "horovod":
-            raise UserError(
-                "--checkpoint-format sharded needs torch.distributed (ddp or fsdp); "
-                "use --checkpoint-format full with horovod"
-            )
+        self.sharded = fmt == "sharded" or (fmt == "auto" and strategy.shards_checkpoints)
+        problem = strategy.sharded_checkpoints_problem() if self.sharded else None
+        if problem is not None:
+            raise UserError(problem)
         self.last_save = time.monotonic()
         self.written = 0  # checkpoints this job saved (the batch scripts' --status-file)
         # the callbacks' on_save_checkpoint and on_load_checkpoint (the trainer sets them)
@@ -282,7 +279,9 @@ class Checkpointer:
         epoch = state.epoch + (state.step_in_epoch > 0)
         failed = None
         if self.sharded:
-            model_state, optim_state = _dcp().get_state_dict(saved.model, _dcp_optim(saved))
+            model_state, optim_state = dcp().get_state_dict(
+                saved.model, dcp_optimizers(saved.optimizers)
+            )
             shards = {"model": model_state, "optimizer": optim_state}
             if saved.ema is not None:
                 shards["ema"] = saved.ema.shards()
@@ -297,15 +296,7 @@ class Checkpointer:
                 same = self.files.directory / checkpoint_name(epoch, state.global_step, SHARDED)
                 failed, must = str(exc), must and not same.exists()
         else:
-            if strategy.name == "fsdp":
-                options = _dcp().StateDictOptions(full_state_dict=True, cpu_offload=True)
-                model_state, optim_state = _dcp().get_state_dict(
-                    saved.model, _dcp_optim(saved), options=options
-                )
-            elif main:  # the same format, without torch.distributed.checkpoint
-                model = unwrap(saved.model)
-                model_state = model.state_dict()
-                optim_state = optimizers_state_by_name(model, saved.optimizers)
+            model_state, optim_state = strategy.full_state(saved.model, saved.optimizers, main)
             if meta is not None:
                 full = {"model": model_state, "optimizer": optim_state, **meta}
                 try:
@@ -518,19 +509,19 @@ class Checkpointer:
         self.say(said + (" (kept)" if old == new else ""))
 
     def _load(self, state: dict[str, Any], path: Path, parts: Parts) -> None:
-        saved, dcp = self.saved, _dcp
+        saved = self.saved
         optimizer, counters = parts.optimizer, parts.run
         # loading may take a zero step (see save); set_to_none is the default, and Horovod's
         # optimizer takes no arguments
         for each in saved.optimizers:
             each.zero_grad()
-        model = unwrap(saved.model)
-        own = shapes_of(model.state_dict())
         # how each group's update runs (fused, foreach...) is this run's, not the file's
         running = [[_execution(g) for g in each.param_groups] for each in saved.optimizers]
         if state.get("sharded"):
+            own = shapes_of(unwrap(saved.model).state_dict())
             check_model_fits(own, state["shapes"], path)  # read by load_file
-            model_state, optim_state = dcp().get_state_dict(saved.model, _dcp_optim(saved))
+            optimizers = dcp_optimizers(saved.optimizers)
+            model_state, optim_state = dcp().get_state_dict(saved.model, optimizers)
             shards: dict[str, Any] = {"model": model_state}
             if optimizer:
                 shards["optimizer"] = optim_state
@@ -540,25 +531,14 @@ class Checkpointer:
             if optimizer:
                 dcp().set_state_dict(
                     saved.model,
-                    _dcp_optim(saved),
+                    optimizers,
                     model_state_dict=shards["model"],
                     optim_state_dict=shards["optimizer"],
                 )
             else:
                 dcp().set_model_state_dict(saved.model, shards["model"])
-        elif self.strategy.name != "fsdp":
-            check_model_fits(own, shapes_of(state["model"]), path)
-            model.load_state_dict(state["model"])
-            if optimizer:
-                load_optimizers_state_by_name(model, saved.optimizers, state["optimizer"], path)
         else:
-            check_model_fits(own, shapes_of(state["model"]), path)
-            options = dcp().StateDictOptions(full_state_dict=True, strict=True)
-            dcp().set_model_state_dict(saved.model, state["model"], options=options)
-            if optimizer:
-                dcp().set_optimizer_state_dict(
-                    saved.model, _dcp_optim(saved), state["optimizer"], options=options
-                )
+            self.strategy.load_full_state(saved.model, saved.optimizers, state, optimizer, path)
         if optimizer:
             self._optimizer_settings(state.get("config", {}).get("train", {}), path)
             for each, groups in zip(saved.optimizers, running, strict=True):
@@ -580,13 +560,13 @@ class Checkpointer:
             self._load_states(state.get("states", {}), path)
             rank, world = self.dist.rank, self.dist.world_size
             self._restore_position(state, path)
-            if state["world_size"] == world:
-                saved.state.load_state_dict(state, state["epoch_metrics"][rank])
+            same = state["world_size"] == world
+            # on another number of processes the partial epoch's sums go to rank 0
+            saved.state.load_ranks(state, state["epoch_metrics"], rank, same)
+            if same:
                 if "rng" in state:
                     set_rng_state(state["rng"][rank])
-            else:  # the partial epoch's sums go to rank 0; every rank's generators anew
-                merged = merge_states(state["epoch_metrics"]) if rank == 0 else None
-                saved.state.load_state_dict(state, merged)
+            else:  # every rank's generators anew
                 seed = state["config"]["train"]["seed"]
                 seed_everything(sample_seed(seed, state["global_step"], rank) >> 1)
 

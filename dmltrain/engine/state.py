@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import torch
 
-from dmltrain.engine.metrics import MetricAccumulator
+from dmltrain.engine.metrics import MetricAccumulator, merge_states
 
 
 @dataclass
@@ -92,6 +92,16 @@ class TrainState:
             "training_log": list(self.log_rows),
             "world_size_changes": list(self.world_size_changes),
         }
+
+    def load_ranks(
+        self, state: dict[str, Any], per_rank: list[dict[str, Any] | None], rank: int, same: bool
+    ) -> None:
+        """A checkpoint's counters and its ranks' partial-epoch sums (``per_rank``): this
+        rank's own on as many processes (``same``); else all of them merged on rank 0."""
+        if same:
+            self.load_state_dict(state, per_rank[rank])
+        else:
+            self.load_state_dict(state, merge_states(per_rank) if rank == 0 else None)
 
     def load_state_dict(self, state: dict[str, Any], metrics: dict[str, Any] | None) -> None:
         """Counters and log from ``state``, this rank's partial-epoch sums from ``metrics``.

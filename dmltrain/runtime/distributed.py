@@ -16,6 +16,7 @@ import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +31,14 @@ from dmltrain.data.samples import ResumableSampler, ShardSampler
 from dmltrain.errors import PeerFailed, PeerLost, UserError, first_line
 from dmltrain.runtime import control, launch, peers, preflight, sharding
 from dmltrain.runtime.launch import DistInfo, RunEnvironment, default_device, hostname
+from dmltrain.runtime.model_state import (
+    check_model_fits,
+    dcp,
+    dcp_optimizers,
+    load_optimizers_state_by_name,
+    optimizers_state_by_name,
+    shapes_of,
+)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -138,6 +147,38 @@ class Strategy:
     def eval_model(self, model: nn.Module) -> nn.Module:
         """The model to validate with: one that runs no collectives in forward."""
         return model
+
+    # ----- checkpoints: the model's and optimizers' state as this strategy holds it -------
+    shards_checkpoints = False  # --checkpoint-format auto writes each rank's shards
+
+    def sharded_checkpoints_problem(self) -> str | None:
+        """Why this strategy cannot write sharded checkpoints; None when it can."""
+        return None
+
+    def full_state(self, model: nn.Module, optimizers: tuple[Any, ...], main: bool) -> Any:
+        """The whole model's and optimizers' state, keyed by parameter name
+        (``model_state``): rank 0's (``main``), (None, None) elsewhere. Every rank calls it
+        (a strategy that shards the model gathers it)."""
+        if not main:
+            return None, None
+        inner = unwrap(model)
+        return inner.state_dict(), optimizers_state_by_name(inner, optimizers)
+
+    def load_full_state(
+        self,
+        model: nn.Module,
+        optimizers: tuple[Any, ...],
+        state: dict[str, Any],
+        optimizer: bool,
+        source: Path,
+    ) -> None:
+        """A full checkpoint's ``model`` (and ``optimizer`` when asked) into this run's,
+        checked against the model first."""
+        inner = unwrap(model)
+        check_model_fits(shapes_of(inner.state_dict()), shapes_of(state["model"]), source)
+        inner.load_state_dict(state["model"])
+        if optimizer:
+            load_optimizers_state_by_name(inner, optimizers, state["optimizer"], source)
 
     def all_reduce_sum(self, tensor: Tensor) -> Tensor:
         return tensor
@@ -406,6 +447,29 @@ class FSDPStrategy(DDPStrategy):
         # FSDP's forward gathers parameters: every rank must run it
         return unwrap(model)
 
+    shards_checkpoints = True
+
+    def full_state(self, model: nn.Module, optimizers: tuple[Any, ...], main: bool) -> Any:
+        # every rank takes part in gathering the shards; rank 0 keeps them, on the CPU
+        options = dcp().StateDictOptions(full_state_dict=True, cpu_offload=True)
+        return dcp().get_state_dict(model, dcp_optimizers(optimizers), options=options)
+
+    def load_full_state(
+        self,
+        model: nn.Module,
+        optimizers: tuple[Any, ...],
+        state: dict[str, Any],
+        optimizer: bool,
+        source: Path,
+    ) -> None:
+        check_model_fits(shapes_of(unwrap(model).state_dict()), shapes_of(state["model"]), source)
+        options = dcp().StateDictOptions(full_state_dict=True, strict=True)
+        dcp().set_model_state_dict(model, state["model"], options=options)
+        if optimizer:
+            dcp().set_optimizer_state_dict(
+                model, dcp_optimizers(optimizers), state["optimizer"], options=options
+            )
+
     def average_gradients(self, params: list[Tensor]) -> None:
         """The sharded ones are averaged already (each FSDP unit reduce-scatters its
         gradients in the backward); those of parameters outside the units, here."""
@@ -428,6 +492,13 @@ class FSDPStrategy(DDPStrategy):
 
 class HorovodStrategy(Strategy):
     name = "horovod"
+
+    def sharded_checkpoints_problem(self) -> str | None:
+        return (
+            "--checkpoint-format sharded needs torch.distributed (ddp or fsdp); "
+            "use --checkpoint-format full with horovod"
+        )
+
     sent = 0  # broadcast_bytes's calls: their names
 
     def setup(self, environment: RunEnvironment | None = None) -> DistInfo:

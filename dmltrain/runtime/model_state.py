@@ -123,3 +123,16 @@ def load_optimizers_state_by_name(
         names = {name for group in mine for name in group["params"]}
         state = {k: v for k, v in saved["state"].items() if k in names}
         load_optimizer_state_by_name(model, optimizer, {"state": state, "param_groups": mine}, path)
+
+
+def dcp_optimizers(optimizers: tuple[Any, ...]) -> Any:
+    """The optimizer, or several, as torch.distributed.checkpoint takes them."""
+    return optimizers[0] if len(optimizers) == 1 else optimizers
+
+
+def dcp() -> Any:
+    """torch.distributed.checkpoint.state_dict, imported when first needed (FSDP, sharded
+    checkpoints): it is slow to import and large."""
+    from torch.distributed.checkpoint import state_dict
+
+    return state_dict
