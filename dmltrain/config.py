@@ -26,8 +26,13 @@ import yaml
 
 from dmltrain import plugins
 from dmltrain.errors import ConfigError, first_line
-from dmltrain.runtime.preemption import AGREEMENT_MOST_SECONDS, AGREEMENT_SHARE
-from dmltrain.runtime.threads import MAX_AUTO_WORKERS
+
+# --num-workers auto: at most this many loader workers a process (runtime.threads)
+MAX_AUTO_WORKERS = 8
+# The agreements on stopping take at most this share of training time, at intervals of at
+# most this many seconds (runtime.preemption.AgreementSchedule).
+AGREEMENT_SHARE = 0.01
+AGREEMENT_MOST_SECONDS = 10.0
 
 
 def check(ok: bool, message: str) -> None:

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from dmltrain import compat
 from dmltrain.config import TrainConfig
 from dmltrain.data import streams
-from dmltrain.engine.batches import StepOutput, split_step_output
+from dmltrain.data.batches import StepOutput, split_step_output
 from dmltrain.errors import UserError
 from dmltrain.runtime.distributed import Strategy
 

@@ -23,8 +23,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from dmltrain.data import streams
+from dmltrain.data.batches import batch_size_of, to_device
 from dmltrain.engine import contract, metric_objects
-from dmltrain.engine.batches import batch_size_of, to_device
 from dmltrain.engine.metrics import MetricAccumulator
 from dmltrain.engine.precision import Precision
 from dmltrain.errors import StopForRequeue, UserError

@@ -11,7 +11,7 @@ import functools
 from collections.abc import Iterator
 from typing import Any
 
-from dmltrain.engine.batches import chunks
+from dmltrain.data.batches import chunks
 from dmltrain.engine.budget import Done
 from dmltrain.engine.nan import RollBack
 from dmltrain.engine.run import Run

@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from dmltrain.checkpoint.snapshot import snapshot
-from dmltrain.engine.batches import to_device
+from dmltrain.data.batches import to_device
 from dmltrain.errors import UserError
 
 Values = Mapping[str, Tensor | float]

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from dmltrain.data.batches import batch_size_of, split_step_output, to_device
 from dmltrain.engine import contract
-from dmltrain.engine.batches import batch_size_of, split_step_output, to_device
 from dmltrain.engine.nan import NanChecker, skipped_if
 from dmltrain.engine.precision import Precision
 from dmltrain.engine.state import TrainState

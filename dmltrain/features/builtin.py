@@ -16,8 +16,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from dmltrain.callback import Callback, TrainerView
-from dmltrain.engine.precision import Precision
-from dmltrain.engine.state import TrainState
 from dmltrain.errors import PeerLost
 from dmltrain.features.ema import EMA
 from dmltrain.features.profiling import Profiler
@@ -30,7 +28,8 @@ class EmaFeature(Callback):
     """``--ema-decay``: the averaged weights, updated after every step (a step rolled back
     by ``--on-nan rollback`` is not one) and validated beside the model's."""
 
-    def __init__(self, ema: EMA, validated: bool, state: TrainState) -> None:
+    def __init__(self, ema: EMA, validated: bool, state: Any) -> None:
+        # state: the run's engine.state.TrainState (its counters and rolled-back steps)
         self.ema, self.validated, self.state = ema, validated, state
 
     def on_step_end(self, trainer: TrainerView) -> None:
@@ -86,7 +85,8 @@ class StepScalars(Callback):
     """The step's own values at each log interval: the learning rate, the gradient norm
     (``--grad-clip``) and the fp16 loss scale with the steps it skipped."""
 
-    def __init__(self, precision: Precision, grad_norm: Callable[[], Any]) -> None:
+    def __init__(self, precision: Any, grad_norm: Callable[[], Any]) -> None:
+        # precision: the run's engine.precision.Precision (the fp16 scale, steps skipped)
         self.precision, self.grad_norm = precision, grad_norm
 
     def scalars(self, trainer: TrainerView) -> Mapping[str, Any]:

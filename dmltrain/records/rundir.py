@@ -228,7 +228,7 @@ def write_records(run_dir: Path, config_yaml: str, info: dict[str, Any]) -> str:
     """``config.yaml`` and ``diagnostics.json`` (rank 0); returns the startup summary."""
     write_atomic(run_dir / "config.yaml", config_yaml)
     path = run_dir / "diagnostics.json"
-    diagnostics.write(info, path)
+    write_atomic(path, json.dumps(info, indent=2, default=str) + "\n")
     return diagnostics.summary(info, path)
 
 

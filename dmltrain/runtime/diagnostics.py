@@ -11,7 +11,6 @@ SECRET or CREDENTIAL in them redacted by ``dmltrain.runtime.launch``).
 
 import importlib.metadata
 import inspect
-import json
 import platform
 import shutil
 import subprocess
@@ -21,7 +20,6 @@ from typing import Any
 
 import torch
 
-from dmltrain.records.files import write_atomic
 from dmltrain.runtime.launch import DistInfo, RunEnvironment, hostname
 from dmltrain.runtime.threads import starved
 
@@ -245,10 +243,6 @@ def summary(info: dict[str, Any], path: Path) -> str:
             *([f"dmltrain: warning: {few}"] if (few := starved(info["ranks"])) else []),
         ]
     )
-
-
-def write(info: dict[str, Any], path: Path) -> None:
-    write_atomic(path, json.dumps(info, indent=2, default=str) + "\n")
 
 
 def job_tags(info: dict[str, Any]) -> dict[str, str]:

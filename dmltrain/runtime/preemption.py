@@ -24,12 +24,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import FrameType
 
+from dmltrain.config import AGREEMENT_MOST_SECONDS, AGREEMENT_SHARE
 from dmltrain.errors import EXIT_REQUEUE
-
-# The agreements on stopping take at most this share of training time, at intervals of at
-# most this many seconds (AgreementSchedule).
-AGREEMENT_SHARE = 0.01
-AGREEMENT_MOST_SECONDS = 10.0
 
 
 class StartupSignals:

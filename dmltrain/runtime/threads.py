@@ -21,7 +21,7 @@ CPUs: in-memory data such as MNIST loads faster in the process); at most 8 eithe
 from dataclasses import dataclass
 from typing import Any
 
-MAX_AUTO_WORKERS = 8
+from dmltrain.config import MAX_AUTO_WORKERS
 
 
 @dataclass(frozen=True)

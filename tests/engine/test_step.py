@@ -56,7 +56,7 @@ def test_the_usual_step_counts_each_batch_as_batch_size_of_does():
     from collections import namedtuple
 
     from dmltrain.config import DistConfig
-    from dmltrain.engine.batches import batch_size_of
+    from dmltrain.data.batches import batch_size_of
     from dmltrain.engine.precision import Precision
     from dmltrain.engine.state import TrainState
     from dmltrain.runtime.distributed import Strategy

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from dmltrain import UserError
-from dmltrain.engine.batches import batch_size_of, chunks, split_step_output, to_device
+from dmltrain.data.batches import batch_size_of, chunks, split_step_output, to_device
 
 
 def test_nested_batches_move_and_count():
