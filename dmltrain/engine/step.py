@@ -6,8 +6,9 @@ Python functions: each costs a microsecond or more between torch's kernels.
 """
 
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -88,30 +89,24 @@ class OptimizerStep:
                 self.strategy.sync_gradients(optimizer)
                 if self._unscales:
                     precision.unscale(optimizer)
-        found = None
+        flags = None
         if checker is not None:
             losses = torch.stack([loss.float() for loss, _, _ in results])
             flags = checker.flags(global_step + 1, losses, gradients=precision.scaler is None)
-            found = checker.agree(flags)
-            if checker.waits and bool(found):  # an optimizer that cannot skip on the device
-                self.settle()  # reported (skip), or raised
-                return _after_updates(self, results, found)  # no update, as on the device
-        for call in self.before_update:
-            call()
-        if self.grad_clip:  # the norm stays on the device until a log interval reads it
-            self.grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
-        # on the device, unless the step waited for found (or the fp16 scaler skips)
-        skip = None if checker is None or checker.waits or precision.scaler else found
-        with contextlib.nullcontext() if skip is None else skipped_if(optimizers, skip):
-            if self._alone is not None:
-                self._alone.step()
-            elif len(optimizers) == 1:
-                self.strategy.optimizer_step(precision.step, optimizers[0])
-            else:
-                for optimizer in optimizers:
-                    self.strategy.optimizer_step(precision.apply, optimizer)
-                precision.update()
+        found, _ = _update(self, flags, optimizers, self.model.parameters(), self._apply)
         return _after_updates(self, results, found)
+
+    def _apply(self) -> None:
+        """The optimizers' updates, through the strategy and the precision."""
+        optimizers, precision = self.optimizers, self.precision
+        if self._alone is not None:
+            self._alone.step()
+        elif len(optimizers) == 1:
+            self.strategy.optimizer_step(precision.step, optimizers[0])
+        else:
+            for optimizer in optimizers:
+                self.strategy.optimizer_step(precision.apply, optimizer)
+            precision.update()
 
     def _run_usual(self, micro_batches: Sequence[Any], epoch: int, step: int) -> None:
         """``run`` for the usual step (one micro-batch, one optimizer that steps by itself,
@@ -184,6 +179,34 @@ class OptimizerStep:
         if self.detect_anomaly:
             stack.enter_context(torch.autograd.detect_anomaly())
         return stack
+
+
+def _update(
+    step: "OptimizerStep | ManualStep",
+    flags: Tensor | None,
+    optimizers: Sequence[Any],
+    params: Iterable[Tensor],
+    apply: Callable[[], None],
+) -> tuple[Tensor | None, bool]:
+    """The one update sequence, once the gradients are final (averaged, unscaled): the
+    ranks agree on the NaN checks' ``flags``, the callbacks see the gradients, ``params``
+    are clipped, and ``apply`` updates (skipped on the device where a check failed; the
+    fp16 scaler skips by itself). Returns the agreed flag and whether ``apply`` ran."""
+    checker, found = step.nan_checker, None
+    if checker is not None and flags is not None:
+        found = checker.agree(flags)
+        if checker.waits and bool(found):  # an optimizer that cannot skip on the device
+            step.settle()  # reported (skip), or raised
+            return found, False  # no update, as on the device
+    for call in step.before_update:
+        call()
+    if step.grad_clip:  # the norm stays on the device until a log interval reads it
+        step.grad_norm = torch.nn.utils.clip_grad_norm_(params, step.grad_clip)
+    waits = checker is not None and checker.waits
+    skip = None if found is None or waits or step.precision.scaler is not None else found
+    with contextlib.nullcontext() if skip is None else skipped_if(optimizers, skip):
+        apply()
+    return found, True
 
 
 def _after_updates(
@@ -342,22 +365,15 @@ class ManualStep:
         checker = self.nan_checker
         if self.grad_clip or checker is not None or self.before_update:
             self.precision.unscale(optimizer)
-        found = None
+        flags = None
         if checker is not None and self.precision.scaler is None:  # else the scaler's
-            own = self._owned(optimizer)[1]
             step = self.state.global_step + 1
-            found = checker.agree(checker.flags(step, gradients=True, only=own))
-            if checker.waits and bool(found):  # an optimizer that cannot skip on the device
-                self.settle()  # reported (skip), or raised (out of train_step)
-                return  # this update is dropped on every rank
-        for call in self.before_update:
-            call()
-        if self.grad_clip:
-            self.grad_norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
-        skip = None if checker is None or checker.waits else found
-        with contextlib.nullcontext() if skip is None else skipped_if([optimizer], skip):
-            self.precision.apply(optimizer)
-        optimizer.zero_grad()  # a later loss of the step may reach these parameters again
+            flags = checker.flags(step, gradients=True, only=self._owned(optimizer)[1])
+        _, applied = _update(
+            self, flags, [optimizer], params, partial(self.precision.apply, optimizer)
+        )
+        if applied:  # a later loss of the step may reach these parameters again
+            optimizer.zero_grad()
 
     def _check(self, what: str) -> int:
         if not self._micro_batches:
