@@ -25,16 +25,7 @@ from torch import nn
 from dmltrain.checkpoint import schedules
 from dmltrain.checkpoint.handout import hand_out
 from dmltrain.checkpoint.stateful import Stateful
-from dmltrain.checkpoint.storage import (
-    SHARDED,
-    CheckpointDir,
-    WriteFailed,
-    checkpoint_name,
-    list_checkpoints,
-    load_file,
-    load_latest_valid,
-    load_sharded,
-)
+from dmltrain.checkpoint.storage import CheckpointStore, WriteFailed
 from dmltrain.config import CheckpointConfig
 from dmltrain.data.rng import rng_state, seed_everything, set_rng_state
 from dmltrain.data.samples import sample_seed
@@ -169,13 +160,13 @@ EVERYTHING = Parts()  # a resume, a rollback
 
 
 class Checkpointer:
-    """Saves ``saved`` into ``directory`` and restores it; ``run_config`` (the resolved
-    config as plain values) goes into every checkpoint and is checked on resume."""
+    """Saves ``saved`` into ``store`` and restores it; ``run_config`` (the resolved config
+    as plain values) goes into every checkpoint and is checked on resume."""
 
     def __init__(
         self,
         config: CheckpointConfig,
-        directory: Path,
+        store: CheckpointStore,
         saved: Saved,
         strategy: Strategy,
         run_config: dict[str, Any],
@@ -185,7 +176,7 @@ class Checkpointer:
         self.config, self.saved, self.strategy = config, saved, strategy
         self.dist = strategy.info
         self.run_config, self.say, self.warn = run_config, say, warn
-        self.files = CheckpointDir(directory, config.keep_last, config.async_checkpoint)
+        self.store = store
         fmt = config.checkpoint_format
         self.sharded = fmt == "sharded" or (fmt == "auto" and strategy.shards_checkpoints)
         problem = strategy.sharded_checkpoints_problem() if self.sharded else None
@@ -238,7 +229,7 @@ class Checkpointer:
         state = saved.state
         if main or self.sharded:  # every rank writes its shards
             try:
-                self.files.wait()  # an earlier background write's failure, reported here
+                self.store.wait()  # an earlier background write's failure, reported here
             except WriteFailed as exc:
                 if main:
                     self.warn(f"{exc}; training goes on")
@@ -285,27 +276,27 @@ class Checkpointer:
             shards = {"model": model_state, "optimizer": optim_state}
             if saved.ema is not None:
                 shards["ema"] = saved.ema.shards()
-            background = self.files.asynchronous and not must  # the last one is waited for
+            background = self.store.asynchronous and not must  # the last one is waited for
             group = strategy.background_group() if background else None
             try:  # a failure is every rank's alike (torch.distributed.checkpoint gathers it)
-                self.files.save_sharded(
+                self.store.save_sharded(
                     shards, meta, epoch, state.global_step, best, strategy.barrier, background,
                     group,
                 )  # fmt: skip
             except WriteFailed as exc:
-                same = self.files.directory / checkpoint_name(epoch, state.global_step, SHARDED)
-                failed, must = str(exc), must and not same.exists()
+                same = self.store.holds(epoch, state.global_step, sharded=True)
+                failed, must = str(exc), must and not same
         else:
             model_state, optim_state = strategy.full_state(saved.model, saved.optimizers, main)
             if meta is not None:
                 full = {"model": model_state, "optimizer": optim_state, **meta}
                 try:
-                    self.files.save(full, epoch, state.global_step, best, wait=must)
+                    self.store.save(full, epoch, state.global_step, best, wait=must)
                 except WriteFailed as exc:
                     # the step's own checkpoint, written before its epoch's end, stands: a
                     # resume from it does that end again (the rewrite added only that)
-                    same = self.files.directory / checkpoint_name(epoch, state.global_step)
-                    failed, must = str(exc), must and not same.is_file()
+                    same = self.store.holds(epoch, state.global_step, sharded=False)
+                    failed, must = str(exc), must and not same
             failed, must = strategy.broadcast_object((failed, must))  # every rank waits too
         if fresh:
             for optimizer in saved.optimizers:
@@ -322,7 +313,7 @@ class Checkpointer:
     def wait(self) -> None:
         """Block until a background write is on disk (rank 0; every rank when sharded)."""
         if self.dist.is_main or self.sharded:
-            self.files.wait()
+            self.store.wait()
 
     def close(self, failed: bool = False) -> None:
         """``wait``, as the run ends whichever way: a failed write is a warning. After a
@@ -337,9 +328,9 @@ class Checkpointer:
             self.warn(str(exc))
 
     def newest(self) -> Path | None:
-        """The newest checkpoint file of this run, if any."""
-        found = list_checkpoints(self.files.directory)
-        return found[0] if found else None
+        """The newest checkpoint of this run, if any."""
+        found = self.store.newest()
+        return None if found is None else Path(found)
 
     # ----- restoring ----------------------------------------------------------------------
     def restore(self) -> None:
@@ -350,9 +341,9 @@ class Checkpointer:
         if resume == "never":
             found = None
         elif resume == "auto":
-            found = self._read(lambda: load_latest_valid(self.files.directory, self.warn))
+            found = self._read(lambda: self.store.latest_valid(self.warn))
         else:
-            found = self._read(lambda: (Path(resume), load_file(Path(resume))))
+            found = self._read(lambda: (resume, self.store.read(resume)))
         if found is not None:
             path, state = found
             self._check_resumable(state, path)
@@ -388,10 +379,10 @@ class Checkpointer:
         """Every rank reloads the newest valid checkpoint of this run and will skip the
         (1-based) ``epoch``'s ``step``, the one that was not finite (``--on-nan rollback``)."""
         self.wait()
-        found = self._read(lambda: load_latest_valid(self.files.directory, self.warn))
+        found = self._read(lambda: self.store.latest_valid(self.warn))
         if found is None:
             raise UserError(
-                f"--on-nan rollback: no checkpoint in {self.files.directory} to roll back to"
+                f"--on-nan rollback: no checkpoint in {self.store.where()} to roll back to"
             )
         path, state = found
         self._load(state, path, EVERYTHING)
@@ -400,12 +391,12 @@ class Checkpointer:
         self.loaded(path)
 
     def _weights(self, path: Path) -> dict[str, Any]:
-        found = self._read(lambda: (path, load_file(path)))
+        found = self._read(lambda: (str(path), self.store.read(str(path))))
         assert found is not None
         return found[1]
 
     def _read(
-        self, read: Callable[[], tuple[Path, dict[str, Any]] | None]
+        self, read: Callable[[], tuple[str, dict[str, Any]] | None]
     ) -> tuple[Path, dict[str, Any]] | None:
         """What rank 0's ``read`` found (a checkpoint's path and its state, or None), on
         every rank: the file is read and checked once in all, not once a rank, and a
@@ -527,7 +518,7 @@ class Checkpointer:
                 shards["optimizer"] = optim_state
             if saved.ema is not None and counters and state.get("ema_sharded"):
                 shards["ema"] = saved.ema.shards(counters=False)  # loaded into in place
-            load_sharded(path, shards, state["index"])
+            self.store.read_shards(str(path), shards, state["index"])
             if optimizer:
                 dcp().set_state_dict(
                     saved.model,

@@ -25,7 +25,7 @@ import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -245,9 +245,66 @@ def load_latest_valid(directory: Path, warn: Any) -> tuple[Path, dict[str, Any]]
     return None
 
 
+class CheckpointStore(Protocol):
+    """Where a run's checkpoints are kept: the checkpointer reaches them through this alone.
+    Locations are strings (a path here; a URI in a store of objects). ``CheckpointDir``,
+    the files of a run directory, is the first.
+
+    A write is published (becomes ``newest``, and ``latest``/``best``) only once it is
+    complete; ``keep_last`` older ones are kept, never the best."""
+
+    asynchronous: bool  # whether a save may write in the background
+
+    def where(self) -> str:
+        """The store, as a line names it."""
+        ...
+
+    def save(
+        self, state: dict[str, Any], epoch: int, global_step: int, best: bool, wait: bool = False
+    ) -> str:
+        """Rank 0: a full checkpoint written and published; its location."""
+        ...
+
+    def save_sharded(
+        self,
+        shards: dict[str, Any],
+        meta: dict[str, Any] | None,
+        epoch: int,
+        global_step: int,
+        best: bool,
+        barrier: Callable[[], None],
+        asynchronous: bool = False,
+        group: Any = None,
+    ) -> str:
+        """Collective: every rank's shards; rank 0 (``meta``) publishes."""
+        ...
+
+    def wait(self) -> None:
+        """A background write done; its failure raised (``WriteFailed``)."""
+        ...
+
+    def holds(self, epoch: int, global_step: int, sharded: bool) -> bool:
+        """Whether this step's checkpoint is there, complete."""
+        ...
+
+    def newest(self) -> str | None: ...
+
+    def latest_valid(self, warn: Callable[[str], None]) -> tuple[str, dict[str, Any]] | None:
+        """The newest checkpoint that loads (corrupt ones said and skipped), or None."""
+        ...
+
+    def read(self, location: str) -> dict[str, Any]:
+        """A checkpoint's state (``load_file``'s); a sharded one without its shards."""
+        ...
+
+    def read_shards(self, location: str, shards: dict[str, Any], index: Any) -> None:
+        """A sharded checkpoint's shards, into ``shards`` in place."""
+        ...
+
+
 class CheckpointDir:
     """Writes checkpoints of one run (on rank 0; sharded ones on every rank) and keeps the
-    newest ``keep_last``.
+    newest ``keep_last``: the ``CheckpointStore`` of local (or shared) files.
 
     With ``asynchronous=True`` a save copies the state (the only part that blocks the
     loop) and writes it in a background thread; one write is in flight at a time, and a
@@ -262,11 +319,32 @@ class CheckpointDir:
         self._failure: BaseException | None = None
         self._staging: Any = None  # the last asynchronous save's copy, reused by the next
 
+    def where(self) -> str:
+        return str(self.directory)
+
+    def holds(self, epoch: int, global_step: int, sharded: bool) -> bool:
+        path = self.directory / checkpoint_name(epoch, global_step, SHARDED if sharded else FULL)
+        return path.exists() if sharded else path.is_file()
+
+    def newest(self) -> str | None:
+        found = list_checkpoints(self.directory)
+        return str(found[0]) if found else None
+
+    def latest_valid(self, warn: Callable[[str], None]) -> tuple[str, dict[str, Any]] | None:
+        found = load_latest_valid(self.directory, warn)
+        return None if found is None else (str(found[0]), found[1])
+
+    def read(self, location: str) -> dict[str, Any]:
+        return load_file(Path(location))
+
+    def read_shards(self, location: str, shards: dict[str, Any], index: Any) -> None:
+        load_sharded(Path(location), shards, index)
+
     def save(
         self, state: dict[str, Any], epoch: int, global_step: int, best: bool, wait: bool = False
-    ) -> Path:
+    ) -> str:
         self.wait()
-        path = self.directory / checkpoint_name(epoch, global_step)
+        path = str(self.directory / checkpoint_name(epoch, global_step))
         if not self.asynchronous or wait:
             self._write(state, epoch, global_step, best)
             return path
@@ -316,7 +394,7 @@ class CheckpointDir:
         barrier: Callable[[], None],
         asynchronous: bool = False,
         group: Any = None,
-    ) -> Path:
+    ) -> str:
         """Collective: every rank writes its ``shards`` (model and optimizer state dicts
         from ``get_state_dict``); rank 0, the one passing ``meta``, publishes the result.
 
@@ -338,7 +416,7 @@ class CheckpointDir:
             barrier()
             if meta is not None:  # an old checkpoint's N+2 files: not while every rank waits
                 self._in_background(self._prune)
-            return path
+            return str(path)
         # Copied as the .pt path copies (into the last save's copy): torch's stager deep-copies
         # every DTensor's Python structure at each save, several times the memory copy. The
         # writer thread then does what dcp.async_save would do in a thread of its own (a
@@ -346,7 +424,7 @@ class CheckpointDir:
         # interpreter's lock).
         copy = self._staging = snapshot(shards, self._staging)
         self._in_background(self._write_sharded, copy, tmp, path, meta, best, group)
-        return path
+        return str(path)
 
     def _write_sharded(
         self,

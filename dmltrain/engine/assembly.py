@@ -19,6 +19,7 @@ import torch
 from dmltrain import callback
 from dmltrain.callback import Callback, Events
 from dmltrain.checkpoint.checkpointer import Checkpointer, Saved
+from dmltrain.checkpoint.storage import CheckpointDir
 from dmltrain.config import as_plain, to_yaml
 from dmltrain.data import rng, samples, streams
 from dmltrain.data.streams import TrainFeed
@@ -183,9 +184,10 @@ def assemble(run: Run) -> None:
             load_scaler=False,
             load_epoch=False,
         )
+    store = CheckpointDir(run.run_dir / "checkpoints", cfg.keep_last, cfg.async_checkpoint)
     run.checkpointer = Checkpointer(
         restoring,
-        run.run_dir / "checkpoints",
+        store,
         saved,
         trainer.strategy,
         plain,
