@@ -500,9 +500,8 @@ def _write_status(path: Path, status: int, trainer: BaseTrainer) -> bool:
     """Rank 0's exit status, and how many checkpoints this job saved (the batch scripts
     requeue a job that loses nodes only while it makes progress), or another rank's lost
     peer (``write_status``). Whether the file holds the job's status now."""
-    saved = getattr(getattr(trainer, "_checkpointer", None), "written", 0)  # 0: none made
     try:
-        write_status(path, status, saved, trainer.dist.rank == 0)
+        write_status(path, status, trainer.checkpoints_saved, trainer.dist.rank == 0)
     except NotWritten as exc:
         print(
             f"dmltrain: error: --status-file: {exc}; the exit status is {status}", file=sys.stderr

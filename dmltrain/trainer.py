@@ -150,6 +150,12 @@ class BaseTrainer(TrainerHooks):
         return self.__run.run_dir
 
     @property
+    def checkpoints_saved(self) -> int:
+        """Checkpoints this job has written (0 before its first)."""
+        run = self.__run
+        return run.checkpointer.written if run.made("checkpointer") else 0
+
+    @property
     def total_steps(self) -> int:
         """Optimizer steps the run takes by --epochs and --max-steps, known before the
         first (for a schedule stepped each step)."""
