@@ -204,12 +204,6 @@ class Checkpointer:
         if (every and self.saved.state.global_step % every == 0) or timed or stopping:
             self.save(best=False, must=stopping)
 
-    def steps_to_save(self) -> int | None:
-        """Steps from now to the next save by --checkpoint-every-steps (the one part of
-        ``save_when_due`` that steps alone decide); None without it."""
-        every = self.config.checkpoint_every_steps
-        return every - self.saved.state.global_step % every if every else None
-
     # ----- saving -------------------------------------------------------------------------
     # around each save: the hang watchdog's pause (a save may take minutes)
     quiet: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext

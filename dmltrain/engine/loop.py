@@ -110,7 +110,6 @@ class Loop:
         take_step, due = run.step.run, run.progress.due
         save_when_due = run.checkpointer.save_when_due
         clock.restart()
-        calm = 0  # steps after which nothing below clock.step() is due (``_calm``)
         for step, micro_batches in enumerate(
             run.progress.epoch(batches, epoch, loop.epochs, steps, s.metrics.count),
             start=s.step_in_epoch + 1,
@@ -122,9 +121,6 @@ class Loop:
             for call in step_end:  # the built-in features first (EMA first of all)
                 call(trainer)
             clock.step()
-            if calm:  # every test below would say no at this step
-                calm -= 1
-                continue
             if due(step):  # the log interval, and the epoch's last step
                 self._log_interval(step, epoch)
             within = steps is None or step < steps  # not the epoch's last step
@@ -143,24 +139,7 @@ class Loop:
                 return self._stop_for_preemption()
             if (finished and within) or step == last:  # a budget ends the run in the epoch
                 return Done(run.budget.reason(finished) or "")
-            calm = self._calm(step, last)
         return None
-
-    def _calm(self, step: int, last: int) -> int:
-        """How many of the steps after ``step`` end with nothing of the step's tail due (no
-        log interval, validation, agreement, checkpoint by steps, budget's last step or
-        epoch's end): the loop skips those tests there, each of which would say no. The
-        agreement schedule counts them as passed now."""
-        run = self.run
-        left = [run.progress.steps_to_due(step)]  # the log interval, the epoch's end
-        every, save = self.trainer.config.loop.val_every_steps, run.checkpointer.steps_to_save()
-        if every:
-            left.append(every - run.state.global_step % every)
-        if save is not None:
-            left.append(save)
-        if last > step:
-            left.append(last - step)
-        return self.agreement.skip(min(left) - 1)
 
     def _log_interval(self, step: int, epoch: int) -> None:
         """Every rank's clocks, metric sums and callbacks' ``scalars`` (collectives), then

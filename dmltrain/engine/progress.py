@@ -120,11 +120,6 @@ class Progress:
         last (the same on every rank; the monitor's collective runs then)."""
         return step % self.log_every == 0 or step == self._total
 
-    def steps_to_due(self, step: int) -> int:
-        """Steps from ``step`` to the next one that ``due`` says yes to."""
-        left = self.log_every - step % self.log_every
-        return left if self._total is None else min(left, self._total - step)
-
     def step(
         self,
         step: int,

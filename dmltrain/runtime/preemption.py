@@ -208,13 +208,6 @@ class AgreementSchedule:
         self._left -= 1
         return self._left <= 0
 
-    def skip(self, boundaries: int) -> int:
-        """Counts up to ``boundaries`` of the coming boundaries as passed at once, each as
-        ``due`` would (saying no); returns how many: none past the next agreement."""
-        n = max(0, min(boundaries, self._left - 1))
-        self._left -= n
-        return n
-
     def proposal(self) -> int:
         """This rank's number of steps that take about ``interval()`` (at least 1)."""
         now = time.monotonic()

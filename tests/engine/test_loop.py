@@ -1,10 +1,7 @@
-"""The loop: where nothing of a step's tail is due, it skips the tail's tests (``_calm``),
-and everything falls on the very steps where testing at every step puts it."""
-
-import torch
+"""The loop: each part of a step's tail (log interval, validation, checkpoint by steps,
+agreement, the budget's last step, the epoch's end) falls on its own steps."""
 
 from dmltrain import Callback, TrainConfig
-from dmltrain.engine.loop import Loop
 from dmltrain.runtime.preemption import AgreementSchedule
 from tiny import TinyTrainer
 
@@ -28,7 +25,7 @@ class Seen(Callback):
         self.seen.append(("epoch end", trainer.global_step))
 
 
-def fit(tmp_path, name, monkeypatch, calm):
+def fit(tmp_path, name, monkeypatch):
     seen = []
     state = {}
 
@@ -44,8 +41,6 @@ def fit(tmp_path, name, monkeypatch, calm):
     # every 6th boundary agrees (by the clock, the count would differ from run to run)
     monkeypatch.setattr(AgreementSchedule, "proposal", lambda schedule: 6)
     monkeypatch.setattr(AgreementSchedule, "agreed", agreed)
-    if not calm:
-        monkeypatch.setattr(Loop, "_calm", lambda loop, step, last: 0)
     trainer = Watched(
         TrainConfig(
             run_dir=str(tmp_path / name),
@@ -62,14 +57,17 @@ def fit(tmp_path, name, monkeypatch, calm):
     return trainer, seen
 
 
-def test_the_tail_falls_on_the_same_steps_when_the_loop_skips_its_tests(tmp_path, monkeypatch):
-    calm, seen = fit(tmp_path, "calm", monkeypatch, calm=True)
-    every, every_seen = fit(tmp_path, "every", monkeypatch, calm=False)
-    assert seen == every_seen
+def test_the_tail_falls_on_its_own_steps(tmp_path, monkeypatch):
+    trainer, seen = fit(tmp_path, "run", monkeypatch)
     kinds = {kind for kind, _ in seen}
     assert kinds == {"log", "validation", "save", "epoch end", "agreement"}
-    assert [s for kind, s in seen if kind == "agreement"][:3] == [1, 7, 13]
-    assert [s for kind, s in seen if kind == "log"][:6] == [5, 10, 15, 20, 24, 29]
-    assert seen[-1][1] == calm.global_step == 62
-    a, b = calm.model.state_dict(), every.model.state_dict()
-    assert all(torch.equal(a[key], b[key]) for key in a)
+    at = {kind: [s for k, s in seen if k == kind] for kind in kinds}
+    assert at["agreement"] == list(range(1, 62, 6))  # the first boundary, then every 6th
+    # every 5 steps of an epoch and its last; --val-every-steps 7, epochs' ends, the end
+    assert at["log"] == [5, 10, 15, 20, 24, 29, 34, 39, 44, 48, 53, 58]
+    assert at["validation"] == [7, 14, 21, 24, 28, 35, 42, 48, 49, 56, 62]
+    assert at["epoch end"] == [24, 48]
+    # --checkpoint-every-steps 9, epochs' ends, the end; the others a validation's best
+    by_steps = {9, 18, 27, 36, 45, 54, 24, 48, 62}
+    assert by_steps <= set(at["save"]) <= by_steps | set(at["validation"])
+    assert seen[-1][1] == trainer.global_step == 62
