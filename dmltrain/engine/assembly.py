@@ -20,7 +20,7 @@ from dmltrain import callback
 from dmltrain.callback import Callback, Events
 from dmltrain.checkpoint.checkpointer import Checkpointer, Saved
 from dmltrain.checkpoint.storage import CheckpointDir
-from dmltrain.config import as_plain, to_yaml
+from dmltrain.config import CheckpointConfig, as_plain, to_yaml
 from dmltrain.data import rng, samples, streams
 from dmltrain.data.streams import TrainFeed
 from dmltrain.engine import contract, evaluation, metric_objects
@@ -61,87 +61,23 @@ def print_none(line: str) -> None:
 
 
 def assemble(run: Run) -> None:
-    """Processes, run directory, model, data, optimizer, state: every part of ``run``
-    that ``fit`` needs, made for its trainer (the experiment's hooks)."""
+    """Every part of ``run`` that training needs, made for its trainer (the experiment's
+    hooks) in the order the bitwise promise fixes."""
     trainer = run.trainer
-    processes.raise_open_files_limit()  # before any peer's socket is opened
-    trainer.dist = trainer.strategy.setup(trainer.environment)
-    trainer.device = torch.device(trainer.dist.device)
+    profiler = _start(run, evaluating=False)
+    early = [profiler] if profiler is not None else []
+    run.events = Events(early)  # the profiler is stopped however setup ends
     cfg, loop, dist = trainer.config, trainer.config.loop, trainer.dist
-    run.progress = Progress(loop.progress, dist.is_main, loop.log_every, world_size=dist.world_size)
-    evaluating = cfg.checkpoint.evaluating  # --evaluate/--predict: no training
-    name = trainer.name + ("-eval" if evaluating else "")
-    # a requeued job may start while the job before it is still ending
-    run.run_dir, run.run_dir_held = rundir.choose(
-        loop.run_dir,
-        lambda: rundir.default_path(name, dist.job_id),
-        cfg.checkpoint.resume,
-        dist.is_main,
-        trainer.strategy.broadcast_object,
-        evaluating=bool(evaluating),
-        wait=60.0 if dist.job_id else 0.0,
-    )
-    trainer.config = cfg = cfg.replace(run_dir=str(run.run_dir))
-    # Every rank's host and CPUs: each takes its share of its cores (dmltrain.runtime.threads).
-    run.ranks = trainer.strategy.all_gather_object(diagnostics.this_rank(dist, trainer.environment))
-    cuda = trainer.device.type == "cuda"
-    threads.assign(cfg.distributed.threads, cfg.data.num_workers, run.ranks, cuda)
-    torch.set_num_threads(run.ranks[dist.rank]["threads"])
-    trainer.config = cfg = cfg.replace(num_workers=run.ranks[dist.rank]["workers"])  # no "auto"
-    run.precision = Precision(cfg.numerics.precision, trainer.device)
-    set_matmul_precision(cfg.numerics.matmul_precision, trainer.device)
-    profiler = _profiler_feature(run)  # before the model: its memory is recorded
-    early = [profiler] if profiler is not None else []  # stopped however setup ends
-    run.events = Events(early)
-    torch.manual_seed(loop.seed)  # the same initial weights on every rank
-    run.model = sharding.place(
-        trainer.create_model,
-        contract.model,
-        trainer.checkpointed_modules,
-        lambda model: trainer.strategy.wrap_model(
-            model, trainer.fsdp_units(model), run.precision.dtype, trainer.manual_optimization
-        ),
-        cfg.memory,
-        trainer.strategy.name,
-        dist.rank,
-        dist.world_size,
-        trainer.device,
-    )
-    rng.seed_everything(loop.seed + dist.rank)  # per-rank dropout, augmentation
     ema, avg = None, cfg.averaging
-    if avg.ema_decay and not evaluating:
+    _model(run)
+    if avg.ema_decay:
         ema = EMA(unwrap(run.model), avg.ema_decay, avg.ema_warmup_steps, avg.ema_every_steps)
     # best.pt and early stopping follow the average's metric when it is validated
     run.best_metric = cfg.checkpoint.best_metric
     if ema is not None and avg.ema_eval and run.best_metric.startswith("val_"):
         run.best_metric = "val_ema_" + run.best_metric[4:]
-    if loop.compile:
-        say = run.progress.info if dist.is_main else print_none
-        run.model = compile_model(run.model, unwrap(run.model), run.run_dir, say)
-    _setup_data(run)
-    metrics = trainer.create_metrics()  # torchmetrics objects (metric_objects)
-    run.evaluator = evaluation.Evaluator(
-        trainer.strategy,
-        run.precision,
-        trainer.device,
-        objects=metric_objects.prepare(metrics, trainer.device, trainer.strategy.metric_gather()),
-    )
-    epochs = epochs_to_run(loop, run.feed.steps, trainer.warn if dist.is_main else print_none)
-    if epochs != loop.epochs:  # resolved once, as recorded in config.yaml
-        trainer.config = cfg = cfg.replace(epochs=epochs)
-        loop = cfg.loop
-    run.total_steps = total_steps(loop, run.feed.steps)
-    made = contract.several(trainer.create_optimizer(run.model), "create_optimizer")
-    run.optimizers = tuple(
-        trainer.strategy.wrap_optimizer(o, run.model, loop.grad_accum, trainer.manual_optimization)
-        for o in made
-    )
-    single = len(run.optimizers) == 1
-    run.scheduler = trainer.create_scheduler(run.optimizers[0] if single else run.optimizers)
-    run.schedulers = (
-        () if run.scheduler is None else contract.several(run.scheduler, "create_scheduler")
-    )
-    run.state = TrainState(trainer.device)  # on the device chosen by the strategy
+    _compile_data_optimizers(run)
+    cfg, loop = trainer.config, trainer.config.loop  # the epochs resolved
     checks = cfg.numerics
     run.nan_checker = None
     if checks.check_nans:
@@ -154,12 +90,10 @@ def assemble(run: Run) -> None:
             trainer.strategy.all_gather_object,
             run.run_dir / "nan_report.txt",
         )
-    callbacks = (
-        [] if evaluating else callback.create(trainer.create_callbacks(), loop.callback_names())
-    )
+    callbacks = callback.create(trainer.create_callbacks(), loop.callback_names())
     run.events = Events([*early, *callbacks])
     fire(run, run.events.on_setup)
-    states = {} if evaluating else callback.states(callbacks, trainer.create_states())
+    states = callback.states(callbacks, trainer.create_states())
     saved = Saved(
         run.model,
         run.optimizers,
@@ -171,36 +105,7 @@ def assemble(run: Run) -> None:
         run.feed,
     )
     plain = as_plain(cfg, trainer.options)  # what checkpoints and records hold of the config
-    restoring = cfg.checkpoint
-    if evaluating:  # the named checkpoint's weights alone; this run saves nothing
-        restoring = dataclasses.replace(
-            restoring,
-            resume="never",
-            load_weights=evaluating,
-            evaluate=None,
-            predict=None,
-            load_optimizer=False,
-            load_scheduler=False,
-            load_scaler=False,
-            load_epoch=False,
-        )
-    store = CheckpointDir(run.run_dir / "checkpoints", cfg.keep_last, cfg.async_checkpoint)
-    run.checkpointer = Checkpointer(
-        restoring,
-        store,
-        saved,
-        trainer.strategy,
-        plain,
-        run.progress.info,
-        trainer.warn,
-    )
-    # the listeners as they are when a checkpoint is taken or loaded
-    run.checkpointer.before_save = partial(before_save, run)
-    run.checkpointer.loaded = partial(fire, run, run.events.on_load_checkpoint)
-    run.checkpointer.restore()
-    trainer.strategy.started()
-    if evaluating:
-        return
+    _restore(run, cfg.checkpoint, saved, plain)
     run.budget = Budget(
         loop,
         run.state,
@@ -228,6 +133,136 @@ def assemble(run: Run) -> None:
     run.events = Events([*(f for f in built_in if f is not None), *callbacks])
     run.checkpointer.quiet = run.events.around_long_work
     _make_step(run)  # with every listener of on_before_optimizer_step
+
+
+def assemble_evaluation(run: Run) -> None:
+    """``--evaluate``/``--predict``: the parts that evaluate the named checkpoint's
+    weights, made as training makes them (the same draws); nothing is trained or saved."""
+    trainer = run.trainer
+    profiler = _start(run, evaluating=True)
+    run.events = Events([profiler] if profiler is not None else [])  # stopped at the end
+    _model(run)
+    run.best_metric = trainer.config.checkpoint.best_metric
+    _compile_data_optimizers(run)
+    cfg = trainer.config
+    saved = Saved(
+        run.model, run.optimizers, run.schedulers, run.precision, run.state, feed=run.feed
+    )
+    weights_only = dataclasses.replace(
+        cfg.checkpoint,
+        resume="never",
+        load_weights=cfg.checkpoint.evaluating,
+        evaluate=None,
+        predict=None,
+        load_optimizer=False,
+        load_scheduler=False,
+        load_scaler=False,
+        load_epoch=False,
+    )
+    _restore(run, weights_only, saved, as_plain(cfg, trainer.options))
+
+
+def _start(run: Run, evaluating: bool) -> ProfilerFeature | None:
+    """The processes, the run directory (an evaluation's own), each rank's threads, the
+    precision; the profiler (before the model: its memory is recorded)."""
+    trainer = run.trainer
+    processes.raise_open_files_limit()  # before any peer's socket is opened
+    trainer.dist = trainer.strategy.setup(trainer.environment)
+    trainer.device = torch.device(trainer.dist.device)
+    cfg, loop, dist = trainer.config, trainer.config.loop, trainer.dist
+    run.progress = Progress(loop.progress, dist.is_main, loop.log_every, world_size=dist.world_size)
+    name = trainer.name + ("-eval" if evaluating else "")
+    # a requeued job may start while the job before it is still ending
+    run.run_dir, run.run_dir_held = rundir.choose(
+        loop.run_dir,
+        lambda: rundir.default_path(name, dist.job_id),
+        cfg.checkpoint.resume,
+        dist.is_main,
+        trainer.strategy.broadcast_object,
+        evaluating=evaluating,
+        wait=60.0 if dist.job_id else 0.0,
+    )
+    trainer.config = cfg = cfg.replace(run_dir=str(run.run_dir))
+    # Every rank's host and CPUs: each takes its share of its cores (dmltrain.runtime.threads).
+    run.ranks = trainer.strategy.all_gather_object(diagnostics.this_rank(dist, trainer.environment))
+    cuda = trainer.device.type == "cuda"
+    threads.assign(cfg.distributed.threads, cfg.data.num_workers, run.ranks, cuda)
+    torch.set_num_threads(run.ranks[dist.rank]["threads"])
+    trainer.config = cfg = cfg.replace(num_workers=run.ranks[dist.rank]["workers"])  # no "auto"
+    run.precision = Precision(cfg.numerics.precision, trainer.device)
+    set_matmul_precision(cfg.numerics.matmul_precision, trainer.device)
+    return _profiler_feature(run)
+
+
+def _model(run: Run) -> None:
+    """``create_model``'s model, placed and wrapped: the same initial weights on every
+    rank; then each rank's own generators (dropout, augmentation)."""
+    trainer = run.trainer
+    cfg, dist = trainer.config, trainer.dist
+    torch.manual_seed(cfg.loop.seed)
+    run.model = sharding.place(
+        trainer.create_model,
+        contract.model,
+        trainer.checkpointed_modules,
+        lambda model: trainer.strategy.wrap_model(
+            model, trainer.fsdp_units(model), run.precision.dtype, trainer.manual_optimization
+        ),
+        cfg.memory,
+        trainer.strategy.name,
+        dist.rank,
+        dist.world_size,
+        trainer.device,
+    )
+    rng.seed_everything(cfg.loop.seed + dist.rank)
+
+
+def _compile_data_optimizers(run: Run) -> None:
+    """``--compile``, the data and its evaluator, the epochs to run, the optimizers and
+    schedulers, the run's state."""
+    trainer = run.trainer
+    cfg, loop, dist = trainer.config, trainer.config.loop, trainer.dist
+    if loop.compile:
+        say = run.progress.info if dist.is_main else print_none
+        run.model = compile_model(run.model, unwrap(run.model), run.run_dir, say)
+    _setup_data(run)
+    metrics = trainer.create_metrics()  # torchmetrics objects (metric_objects)
+    run.evaluator = evaluation.Evaluator(
+        trainer.strategy,
+        run.precision,
+        trainer.device,
+        objects=metric_objects.prepare(metrics, trainer.device, trainer.strategy.metric_gather()),
+    )
+    epochs = epochs_to_run(loop, run.feed.steps, trainer.warn if dist.is_main else print_none)
+    if epochs != loop.epochs:  # resolved once, as recorded in config.yaml
+        trainer.config = cfg = cfg.replace(epochs=epochs)
+        loop = cfg.loop
+    run.total_steps = total_steps(loop, run.feed.steps)
+    made = contract.several(trainer.create_optimizer(run.model), "create_optimizer")
+    run.optimizers = tuple(
+        trainer.strategy.wrap_optimizer(o, run.model, loop.grad_accum, trainer.manual_optimization)
+        for o in made
+    )
+    single = len(run.optimizers) == 1
+    run.scheduler = trainer.create_scheduler(run.optimizers[0] if single else run.optimizers)
+    run.schedulers = (
+        () if run.scheduler is None else contract.several(run.scheduler, "create_scheduler")
+    )
+    run.state = TrainState(trainer.device)  # on the device chosen by the strategy
+
+
+def _restore(run: Run, restoring: CheckpointConfig, saved: Saved, plain: dict[str, Any]) -> None:
+    """The checkpointer over the run directory's checkpoints; what ``restoring`` asks for
+    loaded (a resume, other weights, or nothing)."""
+    trainer, cfg = run.trainer, run.trainer.config
+    store = CheckpointDir(run.run_dir / "checkpoints", cfg.keep_last, cfg.async_checkpoint)
+    run.checkpointer = Checkpointer(
+        restoring, store, saved, trainer.strategy, plain, run.progress.info, trainer.warn
+    )
+    # the listeners as they are when a checkpoint is taken or loaded
+    run.checkpointer.before_save = partial(before_save, run)
+    run.checkpointer.loaded = partial(fire, run, run.events.on_load_checkpoint)
+    run.checkpointer.restore()
+    trainer.strategy.started()
 
 
 def _make_step(run: Run) -> None:

@@ -14,7 +14,7 @@ import torch
 from dmltrain import compat
 from dmltrain.data import samples
 from dmltrain.engine import contract, evaluation, progress
-from dmltrain.engine.assembly import assemble
+from dmltrain.engine.assembly import assemble, assemble_evaluation
 from dmltrain.engine.loop import Loop, evaluating_model
 from dmltrain.engine.run import Run
 from dmltrain.errors import (
@@ -86,8 +86,12 @@ def _fit(run: Run) -> list[dict[str, Any]]:
     )
     evaluating, results, failed = trainer.config.checkpoint.evaluating, None, True
     try:
-        assemble(run)
-        stopped, results = (None, [_evaluate(run)]) if evaluating else (Loop(run).train(), None)
+        if evaluating:
+            assemble_evaluation(run)
+            stopped, results = None, [_evaluate(run)]
+        else:
+            assemble(run)
+            stopped, results = Loop(run).train(), None
         run.tracker.finish(preempted=stopped is not None)
         failed = False
     except torch.OutOfMemoryError as exc:
