@@ -208,8 +208,8 @@ def resumes(rank: int, world: int, port: int, path: str, out: dict) -> None:
     from dmltrain.checkpoint.handout import hand_out
     from dmltrain.checkpoint.storage import load_file
     from dmltrain.config import DistConfig
-    from dmltrain.runtime.distributed import DDPStrategy
     from dmltrain.runtime.launch import DistInfo
+    from dmltrain.runtime.strategies import DDPStrategy
 
     share_cores(world)
     strategy = DDPStrategy(DistInfo(rank=rank, world_size=world, master_port=port),

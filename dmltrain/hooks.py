@@ -18,7 +18,7 @@ from dmltrain.config import TrainConfig
 from dmltrain.data import streams
 from dmltrain.data.batches import StepOutput, split_step_output
 from dmltrain.errors import UserError
-from dmltrain.runtime.distributed import Strategy
+from dmltrain.runtime.strategies import Strategy
 
 
 class TrainerHooks(abc.ABC):

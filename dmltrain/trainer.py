@@ -26,8 +26,8 @@ from dmltrain.errors import UserError
 from dmltrain.features import images, profiling
 from dmltrain.hooks import TrainerHooks
 from dmltrain.runtime import launch
-from dmltrain.runtime.distributed import create_strategy, unwrap
 from dmltrain.runtime.launch import DistInfo
+from dmltrain.runtime.strategies import create_strategy, unwrap
 
 # the class attributes of TrainerHooks an experiment sets, beside its methods
 _YOURS = frozenset({"name", "scheduler_interval", "manual_optimization"})

@@ -191,7 +191,7 @@ def test_a_gpu_loader_pins_memory_only_where_workers_fill_it(workers):
     """No GPU here: the trainer is told its device is one (the loader is only built); with
     no workers the loop itself would pin, one more copy of each batch."""
     from dmltrain.config import DistConfig
-    from dmltrain.runtime.distributed import Strategy
+    from dmltrain.runtime.strategies import Strategy
 
     trainer = TinyTrainer(TrainConfig(num_workers=workers), TinyOptions(), dist=DistInfo())
     trainer.device = torch.device("cuda")

@@ -30,8 +30,8 @@ from dmltrain.config import CheckpointConfig
 from dmltrain.data.rng import rng_state, seed_everything, set_rng_state
 from dmltrain.data.samples import sample_seed
 from dmltrain.errors import SharedError, UserError
-from dmltrain.runtime.distributed import Strategy, unwrap
 from dmltrain.runtime.model_state import check_model_fits, dcp, dcp_optimizers, shapes_of
+from dmltrain.runtime.strategies import Strategy, unwrap
 
 # an optimizer's settings of how its update runs, not of what it computes
 _EXECUTION = frozenset({"foreach", "fused", "capturable", "differentiable"})

@@ -53,7 +53,7 @@ from dmltrain.records import rundir
 from dmltrain.records.files import write_status
 from dmltrain.records.training_log import StepsLog
 from dmltrain.runtime import diagnostics, preemption, processes, sharding, threads
-from dmltrain.runtime.distributed import unwrap
+from dmltrain.runtime.strategies import unwrap
 
 
 def print_none(line: str) -> None:

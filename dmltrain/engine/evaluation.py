@@ -29,8 +29,8 @@ from dmltrain.engine.metrics import MetricAccumulator
 from dmltrain.engine.precision import Precision
 from dmltrain.errors import StopForRequeue, UserError
 from dmltrain.records.files import write_atomic
-from dmltrain.runtime.distributed import Strategy
 from dmltrain.runtime.launch import DistInfo
+from dmltrain.runtime.strategies import Strategy
 
 Output = Any  # a tensor, or a dict, tuple or list of them (lists: one item a sample)
 CHECK_EVERY = 8  # batches between the ranks' agreements on a preemption (--evaluate)

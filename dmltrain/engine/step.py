@@ -20,7 +20,7 @@ from dmltrain.engine.nan import NanChecker, skipped_if
 from dmltrain.engine.precision import Precision
 from dmltrain.engine.state import TrainState
 from dmltrain.errors import SharedError, UserError
-from dmltrain.runtime.distributed import Strategy
+from dmltrain.runtime.strategies import Strategy
 
 _SEQUENCES = (tuple, list)
 

@@ -1,7 +1,7 @@
 """The model's and the optimizer's state in a checkpoint: keyed by parameter name, and
 checked against the model before loading.
 
-Names are those of the unwrapped model (``distributed.unwrap``): without the prefixes of
+Names are those of the unwrapped model (``strategies.unwrap``): without the prefixes of
 DDP's and torch.compile's wrappers, so a checkpoint of any strategy loads into a bare
 model with ``load_state_dict(strict=True)``, and into every other strategy.
 """

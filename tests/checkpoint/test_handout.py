@@ -9,8 +9,8 @@ import torch.multiprocessing as mp
 
 from dmltrain.checkpoint import handout
 from dmltrain.config import DistConfig
-from dmltrain.runtime.distributed import DDPStrategy
 from dmltrain.runtime.launch import DistInfo, free_port
+from dmltrain.runtime.strategies import DDPStrategy
 
 
 def _state() -> dict:

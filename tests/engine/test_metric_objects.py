@@ -13,8 +13,8 @@ from dmltrain.engine import metric_objects
 from dmltrain.engine.evaluation import Evaluator
 from dmltrain.engine.precision import Precision
 from dmltrain.errors import UserError
-from dmltrain.runtime.distributed import Strategy
 from dmltrain.runtime.launch import DistInfo
+from dmltrain.runtime.strategies import Strategy
 
 pytestmark = pytest.mark.quick
 CPU = torch.device("cpu")

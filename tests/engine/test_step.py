@@ -59,8 +59,8 @@ def test_the_usual_step_counts_each_batch_as_batch_size_of_does():
     from dmltrain.data.batches import batch_size_of
     from dmltrain.engine.precision import Precision
     from dmltrain.engine.state import TrainState
-    from dmltrain.runtime.distributed import Strategy
     from dmltrain.runtime.launch import detect
+    from dmltrain.runtime.strategies import Strategy
 
     cpu = torch.device("cpu")
     model = torch.nn.Linear(3, 1)

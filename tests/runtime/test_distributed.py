@@ -353,8 +353,8 @@ def test_a_parent_starting_more_nccl_workers_than_its_gpus_is_refused_first(monk
     """The --nprocs parent refuses before any worker starts. The GPU count is mocked (no
     GPU here); test_more_processes_than_gpus_is_a_clear_error runs it on one."""
     from dmltrain.config import DistConfig
-    from dmltrain.runtime.distributed import create_strategy
     from dmltrain.runtime.launch import DistInfo
+    from dmltrain.runtime.strategies import create_strategy
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     parent = DistInfo(world_size=2, launcher="spawn", device="cuda:0", workers=2)

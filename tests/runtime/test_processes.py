@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils.data import TensorDataset
 
 from dmltrain import BaseTrainer, TrainConfig
-from dmltrain.runtime.distributed import unwrap
+from dmltrain.runtime.strategies import unwrap
 
 
 class Line(BaseTrainer):

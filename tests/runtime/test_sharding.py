@@ -23,8 +23,8 @@ from torch import nn
 from dmltrain.config import DistConfig, MemoryConfig
 from dmltrain.errors import UserError
 from dmltrain.runtime import sharding
-from dmltrain.runtime.distributed import create_strategy
 from dmltrain.runtime.launch import DistInfo
+from dmltrain.runtime.strategies import create_strategy
 
 BLOCKS = [*TINY, *RANDOM, "--blocks"]  # 3 epochs of 12 steps at a global batch of 8
 STEPS = 36
