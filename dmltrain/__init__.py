@@ -14,13 +14,13 @@ _WHERE = {
     "ConfigError": "dmltrain.errors",
     "DataConfig": "dmltrain.config",
     "DistInfo": "dmltrain.runtime.launch",
-    "Experiment": "dmltrain.cli",
+    "Experiment": "dmltrain.experiment",
     "LoopConfig": "dmltrain.config",
     "Stateful": "dmltrain.callback",
     "TrainConfig": "dmltrain.config",
     "Tracker": "dmltrain.features.tracking",
     "UserError": "dmltrain.errors",
-    "register_experiment": "dmltrain.cli",
+    "register_experiment": "dmltrain.experiment",
 }
 __all__ = [
     "BaseTrainer",
@@ -39,9 +39,9 @@ __all__ = [
 
 if TYPE_CHECKING:
     from dmltrain.callback import Callback, Stateful
-    from dmltrain.cli import Experiment, register_experiment
     from dmltrain.config import DataConfig, LoopConfig, TrainConfig
     from dmltrain.errors import ConfigError, UserError
+    from dmltrain.experiment import Experiment, register_experiment
     from dmltrain.features.tracking import Tracker
     from dmltrain.runtime.launch import DistInfo
     from dmltrain.trainer import BaseTrainer
