@@ -803,28 +803,6 @@ class HangConfig:
         )
 
 
-# The sections: TrainConfig's attribute, the title of its flags in --help, its dataclass.
-SECTIONS: tuple[tuple[str, str, type], ...] = (
-    ("loop", "training", LoopConfig),
-    ("data", "data", DataConfig),
-    ("numerics", "precision", PrecisionConfig),
-    ("distributed", "distributed", DistConfig),
-    ("checkpoint", "checkpointing", CheckpointConfig),
-    ("preemption", "preemption", PreemptionConfig),
-    ("tracking", "tracking", TrackingConfig),
-    ("monitoring", "monitoring", MonitorConfig),
-    ("averaging", "weight averaging (EMA)", EmaConfig),
-    ("hang", "hang watchdog", HangConfig),
-    ("profiling", "profiling", ProfilingConfig),
-    ("memory", "memory (models that do not fit)", MemoryConfig),
-)
-# Which section holds each setting (no two sections share a name, and no setting is
-# named like a section: config.NAME reads either).
-_SECTION_OF = {f.name: attr for attr, _, cls in SECTIONS for f in dataclasses.fields(cls)}
-assert len(_SECTION_OF) == sum(len(dataclasses.fields(c)) for _, _, c in SECTIONS)
-assert not {attr for attr, _, _ in SECTIONS} & set(_SECTION_OF)
-
-
 @dataclass(frozen=True, init=False)
 class TrainConfig:
     """Everything ``BaseTrainer`` needs, one section per concern.
@@ -834,18 +812,21 @@ class TrainConfig:
     section's). Reading is flat too: ``config.epochs`` is ``config.loop.epochs``.
     """
 
-    loop: LoopConfig
-    data: DataConfig
-    numerics: PrecisionConfig  # not "precision": that is a setting of it
-    distributed: DistConfig
-    checkpoint: CheckpointConfig
-    preemption: PreemptionConfig
-    tracking: TrackingConfig
-    monitoring: MonitorConfig
-    averaging: EmaConfig  # not "ema": that is a setting (--ema, of --evaluate)
-    hang: HangConfig
-    profiling: ProfilingConfig
-    memory: MemoryConfig
+    # One field a section, in --help's order, with the title of its flags there.
+    loop: LoopConfig = field(metadata={"title": "training"})
+    data: DataConfig = field(metadata={"title": "data"})
+    # not "precision": that is a setting of it
+    numerics: PrecisionConfig = field(metadata={"title": "precision"})
+    distributed: DistConfig = field(metadata={"title": "distributed"})
+    checkpoint: CheckpointConfig = field(metadata={"title": "checkpointing"})
+    preemption: PreemptionConfig = field(metadata={"title": "preemption"})
+    tracking: TrackingConfig = field(metadata={"title": "tracking"})
+    monitoring: MonitorConfig = field(metadata={"title": "monitoring"})
+    # not "ema": that is a setting (--ema, of --evaluate)
+    averaging: EmaConfig = field(metadata={"title": "weight averaging (EMA)"})
+    hang: HangConfig = field(metadata={"title": "hang watchdog"})
+    profiling: ProfilingConfig = field(metadata={"title": "profiling"})
+    memory: MemoryConfig = field(metadata={"title": "memory (models that do not fit)"})
 
     def __init__(self, **settings: Any) -> None:
         unknown = sorted(set(settings) - set(_SECTION_OF) - {attr for attr, _, _ in SECTIONS})
@@ -872,6 +853,19 @@ class TrainConfig:
     def replace(self, **settings: Any) -> "TrainConfig":
         """A copy with some settings changed: ``config.replace(run_dir="r")``."""
         return dataclasses.replace(self, **settings)
+
+
+# The sections, from TrainConfig's fields: its attribute, the title of its flags in
+# --help, its dataclass.
+SECTIONS: tuple[tuple[str, str, type], ...] = tuple(
+    (f.name, f.metadata["title"], typing.cast(type, f.type))
+    for f in dataclasses.fields(TrainConfig)
+)
+# Which section holds each setting (no two sections share a name, and no setting is
+# named like a section: config.NAME reads either).
+_SECTION_OF = {f.name: attr for attr, _, cls in SECTIONS for f in dataclasses.fields(cls)}
+assert len(_SECTION_OF) == sum(len(dataclasses.fields(c)) for _, _, c in SECTIONS)
+assert not {attr for attr, _, _ in SECTIONS} & set(_SECTION_OF)
 
 
 def field_names(cls: type) -> list[str]:
