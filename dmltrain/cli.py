@@ -25,7 +25,8 @@ from typing import Any, NoReturn
 
 import argparse_dataclass
 
-from dmltrain.config import SECTIONS, TrainConfig, field_names, load_config_file, to_yaml
+from dmltrain.config import SECTIONS, TrainConfig, field_names
+from dmltrain.config.files import load_config_file, to_yaml
 from dmltrain.errors import (
     EXIT_PEER_LOST,
     EXIT_REQUEUE,

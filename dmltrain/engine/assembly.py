@@ -20,7 +20,8 @@ from dmltrain import callback
 from dmltrain.callback import Callback, Events
 from dmltrain.checkpoint.checkpointer import Checkpointer, Saved
 from dmltrain.checkpoint.storage import CheckpointDir
-from dmltrain.config import CheckpointConfig, as_plain, to_yaml
+from dmltrain.config import CheckpointConfig
+from dmltrain.config.files import as_plain, to_yaml
 from dmltrain.data import rng, samples, streams
 from dmltrain.data.streams import TrainFeed
 from dmltrain.engine import contract, evaluation, metric_objects
