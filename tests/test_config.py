@@ -3,14 +3,8 @@ import json
 
 import pytest
 
-from dmltrain.config import (
-    SECTIONS,
-    CheckpointConfig,
-    LoopConfig,
-    TrainConfig,
-    load_config_file,
-    to_yaml,
-)
+from dmltrain.config import SECTIONS, CheckpointConfig, LoopConfig, TrainConfig
+from dmltrain.config.files import load_config_file, to_yaml
 from dmltrain.errors import ConfigError
 from tiny import TinyOptions
 
