@@ -242,3 +242,18 @@ def test_the_users_own_names_train_and_the_documented_ones_are_refused_in_one_li
     assert trainer.step() == "the user's" and trainer.monitor() == "mine too"
     assert not hasattr(trainer, "set_up")  # the user's setup is no part of the run
     assert (run / "checkpoints" / "latest.pt").exists()
+
+
+def test_a_part_read_before_it_is_made_names_the_hook_that_makes_it(tmp_path):
+    trainer = TinyTrainer(TrainConfig(epochs=1, progress="off"), TinyOptions(), dist=DistInfo())
+    with pytest.raises(UserError, match=r"^self.model is made by create_model: read it in a hook"):
+        trainer.model  # noqa: B018 (the read is the test)
+
+    class Early(TinyTrainer):
+        def create_model(self):
+            self.train_loader  # noqa: B018
+            return super().create_model()
+
+    early = Early(TrainConfig(epochs=1, progress="off", run_dir=str(tmp_path / "r")), TinyOptions())
+    with pytest.raises(UserError, match=r"^self.train_loader is made by create_datasets"):
+        early.fit()

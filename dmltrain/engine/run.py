@@ -11,12 +11,14 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.data import DataLoader
 
+from dmltrain.callback import Events
+from dmltrain.engine.state import TrainState
 from dmltrain.errors import UserError
+from dmltrain.features.tracking import Tracker
 
 if TYPE_CHECKING:
     from torch import nn
 
-    from dmltrain.callback import Events
     from dmltrain.checkpoint.checkpointer import Checkpointer
     from dmltrain.data.streams import TrainFeed
     from dmltrain.engine.budget import Budget
@@ -24,10 +26,8 @@ if TYPE_CHECKING:
     from dmltrain.engine.nan import NanChecker
     from dmltrain.engine.precision import Precision
     from dmltrain.engine.progress import Progress
-    from dmltrain.engine.state import TrainState
     from dmltrain.engine.step import ManualStep, OptimizerStep
     from dmltrain.features.monitor import Monitor, StepClock
-    from dmltrain.features.tracking import Tracker
     from dmltrain.records import rundir
     from dmltrain.records.training_log import StepsLog
     from dmltrain.runtime import preemption
@@ -65,22 +65,18 @@ class Run:
     optimizers: tuple[Any, ...]  # create_optimizer's, wrapped by the strategy
     scheduler: Any  # create_scheduler's
     schedulers: tuple[Any, ...]
-    state: "TrainState"  # epoch, steps, best value, log rows (what a checkpoint holds)
+    state: TrainState  # epoch, steps, best value, log rows (what a checkpoint holds)
     nan_checker: "NanChecker | None"  # --check-nans: settled with the metrics and at saves
     checkpointer: "Checkpointer"
     budget: "Budget"  # when the run is done: epochs, steps, time, early stopping
     step_clock: "StepClock"  # each step's time in the loader and in train_step
     monitor: "Monitor"  # throughput, data stalls, stragglers at each log interval
     step: "OptimizerStep | ManualStep"  # one optimizer step (dmltrain.engine.step)
-    events: "Events"  # the callbacks' listeners, built-in features first
-    tracker: "Tracker"  # rank 0's trackers (an inactive one elsewhere)
+    events: Events  # the callbacks' listeners, built-in features first
+    tracker: Tracker  # rank 0's trackers (an inactive one elsewhere)
     steps_log: "StepsLog | None"  # rank 0's steps.csv (log_metrics writes there too)
 
     def __init__(self, trainer: "BaseTrainer") -> None:
-        from dmltrain.callback import Events
-        from dmltrain.engine.state import TrainState
-        from dmltrain.features.tracking import Tracker
-
         self.trainer = trainer
         # what a trainer not yet fitted answers: step 0, no tracker, no listeners
         self.state = TrainState(trainer.device)
