@@ -66,8 +66,6 @@ def assemble(run: Run) -> None:
     hooks) in the order the bitwise promise fixes."""
     trainer = run.trainer
     profiler = _start(run, evaluating=False)
-    early = [profiler] if profiler is not None else []
-    run.events = Events(early)  # the profiler is stopped however setup ends
     cfg, loop, dist = trainer.config, trainer.config.loop, trainer.dist
     ema, avg = None, cfg.averaging
     _model(run)
@@ -92,7 +90,7 @@ def assemble(run: Run) -> None:
             run.run_dir / "nan_report.txt",
         )
     callbacks = callback.create(trainer.create_callbacks(), loop.callback_names())
-    run.events = Events([*early, *callbacks])
+    run.events = Events([*run.events.callbacks, *callbacks])  # the profiler's, then these
     fire(run, run.events.on_setup)
     states = callback.states(callbacks, trainer.create_states())
     saved = Saved(
@@ -140,8 +138,7 @@ def assemble_evaluation(run: Run) -> None:
     """``--evaluate``/``--predict``: the parts that evaluate the named checkpoint's
     weights, made as training makes them (the same draws); nothing is trained or saved."""
     trainer = run.trainer
-    profiler = _start(run, evaluating=True)
-    run.events = Events([profiler] if profiler is not None else [])  # stopped at the end
+    _start(run, evaluating=True)
     _model(run)
     run.best_metric = trainer.config.checkpoint.best_metric
     _compile_data_optimizers(run)
@@ -192,7 +189,10 @@ def _start(run: Run, evaluating: bool) -> ProfilerFeature | None:
     trainer.config = cfg = cfg.replace(num_workers=run.ranks[dist.rank]["workers"])  # no "auto"
     run.precision = Precision(cfg.numerics.precision, trainer.device)
     set_matmul_precision(cfg.numerics.matmul_precision, trainer.device)
-    return _profiler_feature(run)
+    profiler = _profiler_feature(run)
+    # its listeners until the callbacks are made: the profiler is stopped however setup ends
+    run.events = Events([profiler] if profiler is not None else [])
+    return profiler
 
 
 def _model(run: Run) -> None:

@@ -28,9 +28,7 @@ class Loop:
         self.run = run
         self.trainer = run.trainer  # the experiment: its hooks, config, dist, strategy
         self.epochs_this_job = 0
-        self.agreement = preemption.AgreementSchedule(
-            run.trainer.config.preemption.preempt_check_seconds
-        )
+        self.agreement: preemption.AgreementSchedule  # made when training starts (train)
 
     def train(self) -> str | None:
         """The run, epoch by epoch, until it is done (``budget``). Returns why it stopped

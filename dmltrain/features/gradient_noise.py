@@ -45,11 +45,14 @@ class GradientNoiseScale(Callback):
         self.sharded = False
 
     def on_before_optimizer_step(self, trainer: TrainerView) -> None:
-        grads = [_local(p.grad) for p in self.parameters if p.grad is not None]
-        if not grads:
+        found = [p.grad for p in self.parameters if p.grad is not None]
+        if not found:
             return
-        self.sharded = self.sharded or any(p.grad is not _local(p.grad) for p in self.parameters)
-        grads = [g.detach().float() for g in grads]
+        local = [_local(g) for g in found]
+        self.sharded = self.sharded or any(
+            g is not whole for g, whole in zip(local, found, strict=True)
+        )
+        grads = [g.detach().float() for g in local]
         squared = torch.stack(torch._foreach_norm(grads)).square().sum()
         if self.steps == 0:
             self.summed = [g.clone() for g in grads]
