@@ -68,7 +68,7 @@ QUICK = (
     "test_progress.py",
     "test_schedules.py",
     "test_snapshot.py",
-    "test_store.py",
+    "test_store.py::test_a_run_saved_to_and_resumed_from_another_store_trains_as_one_never_stopped",
     "test_loop.py",
     "test_gradient_noise.py::test_the_estimate_finds_a_known_noise_scale",
     "test_gradient_noise.py::test_a_window_with_a_non_finite_gradient_is_left_out",

@@ -1,7 +1,8 @@
 """The checkpointer's storage seam (dmltrain/checkpoint/storage.py: CheckpointStore): a
 store of another kind is one class. This one keeps checkpoints in memory, as bytes; a run
 saved there and resumed from there ends with the weights of a run never stopped, and
-writes no checkpoint file."""
+writes no checkpoint file: the tiny model, and once the bundled MNIST CNN (dropout, a
+resume mid-epoch)."""
 
 import io
 
@@ -9,6 +10,7 @@ import torch
 
 from dmltrain import TrainConfig
 from dmltrain.engine import assembly
+from dmltrain_experiments.mnist import MnistOptions, MnistTrainer
 from tiny import TinyOptions, TinyTrainer
 
 
@@ -82,3 +84,28 @@ def test_a_run_saved_to_and_resumed_from_another_store_trains_as_one_never_stopp
         assert torch.equal(value, resumed.unwrapped_model.state_dict()[key]), key
     for name in ("cut", "cut-again"):  # nothing went to files
         assert not list((tmp_path / name).glob("checkpoints/*"))
+
+
+def test_the_mnist_cnn_resumed_mid_epoch_from_memory_ends_bitwise_equal(
+    tmp_path, monkeypatch, capsys
+):
+    def fit(name, max_steps):
+        config = TrainConfig(run_dir=str(tmp_path / name), data_dir=str(tmp_path / "data"),
+                             epochs=1, batch_size=64, max_steps=max_steps, progress="off",
+                             log_every=5)  # fmt: skip
+        trainer = MnistTrainer(config, MnistOptions(download=False))
+        trainer.fit()
+        return trainer
+
+    whole = fit("whole", 30)
+    store = MemoryStore(keep_last=2)
+    monkeypatch.setattr(assembly, "CheckpointDir", lambda directory, keep, background: store)
+    fit("cut", 15)
+    capsys.readouterr()
+    resumed = fit("cut-again", 30)
+    said = capsys.readouterr().out
+    assert "dmltrain: resuming from memory:ckpt-000001-00000015 (epoch 1, 15 steps into it" in said
+    assert resumed.global_step == whole.global_step == 30
+    for key, value in whole.unwrapped_model.state_dict().items():
+        assert torch.equal(value, resumed.unwrapped_model.state_dict()[key]), key
+    assert not list((tmp_path / "cut-again").glob("checkpoints/*"))

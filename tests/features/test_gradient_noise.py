@@ -10,6 +10,7 @@ import torch
 from dmltrain import TrainConfig
 from dmltrain.config import ConfigError
 from dmltrain.features.gradient_noise import GradientNoiseScale
+from dmltrain_experiments.mnist import MnistOptions, MnistTrainer
 from tiny import TinyOptions, TinyTrainer
 
 
@@ -55,6 +56,22 @@ def test_a_run_logs_it_to_steps_csv_and_trains_as_without_it(tmp_path):
     assert len(values) >= len(rows) - 1 and all(math.isfinite(v) for v in values)
     with open(tmp_path / "plain" / "steps.csv", newline="") as handle:
         assert "gradient_noise_scale" not in next(csv.reader(handle))
+
+
+def test_the_mnist_cnn_trains_bit_for_bit_as_without_it(tmp_path):
+    weights, logged = {}, {}
+    for window in (0, 4):
+        config = TrainConfig(run_dir=str(tmp_path / str(window)), data_dir=str(tmp_path / "data"),
+                             epochs=1, max_steps=20, batch_size=64, log_every=10,
+                             progress="off", gradient_noise_scale=window)  # fmt: skip
+        trainer = MnistTrainer(config, MnistOptions(download=False))
+        trainer.fit()
+        weights[window] = trainer.unwrapped_model.state_dict()
+        with open(tmp_path / str(window) / "steps.csv", newline="") as handle:
+            logged[window] = [row.get("gradient_noise_scale") for row in csv.DictReader(handle)]
+    for key, value in weights[0].items():
+        assert torch.equal(value, weights[4][key]), key
+    assert logged[0] == [None, None] and all(math.isfinite(float(v)) for v in logged[4])
 
 
 def test_a_window_of_one_step_is_refused():
