@@ -108,6 +108,10 @@ class Callback:
     def on_log(self, trainer: TrainerView, values: Mapping[str, float]) -> None:
         """Rank 0, at each log interval: the step's scalars as steps.csv gets them."""
 
+    def on_log_metrics(self, trainer: TrainerView, values: Mapping[str, float], step: int) -> None:
+        """Rank 0: what a ``log_metrics`` call gave, at its ``step``. Sinks write it here
+        (steps.csv in that step's row, the trackers under the names given)."""
+
     def validation(
         self, trainer: TrainerView, validate: Callable[[], dict[str, float]]
     ) -> Mapping[str, float]:
@@ -171,6 +175,7 @@ class Events:
         self.on_step_end = listeners["on_step_end"]
         self._scalars = listeners["scalars"]
         self.on_log = listeners["on_log"]
+        self.on_log_metrics = listeners["on_log_metrics"]
         self._validation = listeners["validation"]
         self.on_validation_end = listeners["on_validation_end"]
         self.on_epoch_end = listeners["on_epoch_end"]

@@ -95,8 +95,7 @@ class BaseTrainer(TrainerHooks):
         # Chosen (and checked) now, so bad settings fail before any process starts.
         self.strategy = create_strategy(self.dist, self.config.distributed, self.config.memory)
         check_available(self.config.numerics.precision, self.device)
-        profiling.check_available(self.config.profiling, self.device)
-        self.config.profiling.profiled(dist.world_size)  # a rank beyond the job's is refused
+        profiling.check_available(self.config.profiling, self.device, dist.world_size)
         self.__run = Run(self)  # made anew by each fit
 
     @property
@@ -191,10 +190,8 @@ class BaseTrainer(TrainerHooks):
             return
         at = self.global_step if step is None else step
         scalars = {k: float(v) for k, v in values.items()}
-        if self.__run.tracker.active:
-            self.__run.tracker.log(scalars, at)
-        if self.__run.steps_log is not None:  # steps.csv, in the row of its step
-            self.__run.steps_log.add(at, self.epoch + 1, scalars)
+        for call in self.__run.events.on_log_metrics:  # steps.csv, the trackers, ...
+            call(self, scalars, at)
 
     def log_image(self, name: str, image: Any, step: int | None = None) -> None:
         """An image or a matplotlib Figure to the trackers (``features.images`` says what an

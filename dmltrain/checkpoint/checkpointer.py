@@ -24,7 +24,7 @@ from torch import nn
 
 from dmltrain.checkpoint import schedules
 from dmltrain.checkpoint.handout import hand_out
-from dmltrain.checkpoint.stateful import Stateful
+from dmltrain.checkpoint.stateful import ModelShaped, Positioned, Stateful
 from dmltrain.checkpoint.storage import CheckpointStore, WriteFailed
 from dmltrain.config import CheckpointConfig
 from dmltrain.data.rng import rng_state, seed_everything, set_rng_state
@@ -140,10 +140,11 @@ class Saved:
     schedulers: tuple[Any, ...]  # create_scheduler's, none or one for each optimizer
     precision: Stateful  # the grad scaler's
     state: RunState
-    ema: Any = None  # dmltrain.features.ema.EMA with --ema-decay
     # callbacks' and the experiment's (dmltrain.callback.states), by key
-    states: Mapping[str, Any] = field(default_factory=dict)
-    feed: Any = None  # dmltrain.data.streams.TrainFeed: a stream's position on each rank
+    states: Mapping[str, Stateful] = field(default_factory=dict)
+    feed: Positioned | None = None  # a training stream's place on each rank
+    # model-shaped states by key ("ema": the averaged weights of --ema-decay)
+    shaped: Mapping[str, ModelShaped] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,7 @@ class Parts:
     optimizer: bool = True
     scheduler: bool = True
     scaler: bool = True
-    run: bool = True  # where the run is: counters, metrics, EMA, callbacks' states, RNG
+    run: bool = True  # where the run is: counters, metrics, shaped and callbacks' states, RNG
 
 
 EVERYTHING = Parts()  # a resume, a rollback
@@ -237,9 +238,9 @@ class Checkpointer:
         ranks = strategy.gather_object({"rng": rng_state(), "metrics": partial, "data": position})
         # Whole in a full checkpoint (under FSDP every rank takes part in gathering it, rank
         # 0 keeps it); every rank's own shards in a sharded one, with the model's.
-        ema = None
-        if saved.ema is not None and not self.sharded:
-            ema = saved.ema.state_dict(keep=main)
+        whole = {}  # model-shaped states; in a sharded checkpoint they go with the shards
+        if not self.sharded:
+            whole = {key: item.state_dict(keep=main) for key, item in saved.shaped.items()}
         kept = {key: item.state_dict() for key, item in saved.states.items()}  # every rank
         if main:
             for key, value in kept.items():
@@ -255,8 +256,8 @@ class Checkpointer:
                 "rng": [r["rng"] for r in ranks],
                 **({"data": positions} if any(p is not None for p in positions) else {}),
                 "world_size": self.dist.world_size,
-                **({"ema": ema} if ema is not None else {}),
-                **({"ema_sharded": True} if self.sharded and saved.ema is not None else {}),
+                **whole,
+                **{f"{key}_sharded": True for key in saved.shaped if self.sharded},
                 **({"states": kept} if kept else {}),
                 "config": self.run_config,
                 "optimizer_fresh": fresh,
@@ -268,8 +269,8 @@ class Checkpointer:
                 saved.model, dcp_optimizers(saved.optimizers)
             )
             shards = {"model": model_state, "optimizer": optim_state}
-            if saved.ema is not None:
-                shards["ema"] = saved.ema.shards()
+            for key, item in saved.shaped.items():
+                shards[key] = item.shards()
             background = self.store.asynchronous and not must  # the last one is waited for
             group = strategy.background_group() if background else None
             try:  # a failure is every rank's alike (torch.distributed.checkpoint gathers it)
@@ -510,8 +511,9 @@ class Checkpointer:
             shards: dict[str, Any] = {"model": model_state}
             if optimizer:
                 shards["optimizer"] = optim_state
-            if saved.ema is not None and counters and state.get("ema_sharded"):
-                shards["ema"] = saved.ema.shards(counters=False)  # loaded into in place
+            for key, item in saved.shaped.items():
+                if counters and state.get(f"{key}_sharded"):
+                    shards[key] = item.shards(counters=False)  # loaded into in place
             self.store.read_shards(str(path), shards, state["index"])
             if optimizer:
                 dcp().set_state_dict(
@@ -536,11 +538,11 @@ class Checkpointer:
             _load_schedulers(saved.schedulers, state["scheduler"], path, self.say)
         if parts.scaler:
             saved.precision.load_state_dict(state.get("scaler"))
-        if saved.ema is not None:  # the checkpoint's average, or these weights as the start
-            if counters and "ema" in state:
-                saved.ema.load_state_dict(state["ema"])
-            elif not (counters and state.get("ema_sharded")):  # else loaded with the shards
-                saved.ema.restart()
+        for key, item in saved.shaped.items():  # the checkpoint's, or these weights anew
+            if counters and key in state:
+                item.load_state_dict(state[key])
+            elif not (counters and state.get(f"{key}_sharded")):  # else loaded with the shards
+                item.restart()
         if counters:
             self._load_states(state.get("states", {}), path)
             rank, world = self.dist.rank, self.dist.world_size

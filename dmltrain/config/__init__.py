@@ -650,19 +650,6 @@ class ProfilingConfig:
         )
         return frozenset(int(part) for part in parts)
 
-    def profiled(self, world_size: int) -> list[int]:
-        """The ranks, of ``world_size``, that record anything (none when nothing is asked)."""
-        if self.window() is None and not self.memory_snapshot:
-            return []
-        ranks = self.ranks()
-        beyond = sorted(r for r in ranks or () if r >= world_size)
-        check(
-            not beyond,
-            f"--profile-ranks {self.profile_ranks}: this run has {world_size} process(es), "
-            f"ranks 0 to {world_size - 1}; rank {beyond[0] if beyond else 0} would profile nothing",
-        )
-        return [r for r in range(world_size) if ranks is None or r in ranks]
-
 
 @dataclass(frozen=True)
 class EmaConfig:

@@ -99,9 +99,9 @@ def assemble(run: Run) -> None:
         run.schedulers,
         run.precision,
         run.state,
-        ema,
         states,
         run.feed,
+        {} if ema is None else {"ema": ema},
     )
     plain = as_plain(cfg, trainer.options)  # what checkpoints and records hold of the config
     _restore(run, cfg.checkpoint, saved, plain)
@@ -180,13 +180,14 @@ def _start(run: Run, evaluating: bool) -> ProfilerFeature | None:
         evaluating=evaluating,
         wait=60.0 if dist.job_id else 0.0,
     )
-    trainer.config = cfg = cfg.replace(run_dir=str(run.run_dir))
     # Every rank's host and CPUs: each takes its share of its cores (dmltrain.runtime.threads).
     run.ranks = trainer.strategy.all_gather_object(diagnostics.this_rank(dist, trainer.environment))
     cuda = trainer.device.type == "cuda"
     threads.assign(cfg.distributed.threads, cfg.data.num_workers, run.ranks, cuda)
     torch.set_num_threads(run.ranks[dist.rank]["threads"])
-    trainer.config = cfg = cfg.replace(num_workers=run.ranks[dist.rank]["workers"])  # no "auto"
+    # resolved once, as config.yaml records it: the run directory chosen, no "auto" workers
+    workers = run.ranks[dist.rank]["workers"]
+    trainer.config = cfg = cfg.replace(run_dir=str(run.run_dir), num_workers=workers)
     run.precision = Precision(cfg.numerics.precision, trainer.device)
     set_matmul_precision(cfg.numerics.matmul_precision, trainer.device)
     profiler = _profiler_feature(run)
@@ -346,7 +347,7 @@ def _profiler_feature(run: Run) -> ProfilerFeature | None:
     """This rank's profiler when --profile-ranks names it (the lowest shows its table)."""
     trainer = run.trainer
     cfg, dist = trainer.config, trainer.dist
-    profiled = cfg.profiling.profiled(dist.world_size)
+    profiled = profiling.profiled(cfg.profiling, dist.world_size)
     if dist.rank not in profiled:
         return None
     show = None
@@ -455,8 +456,8 @@ def _start_records(run: Run, plain: dict[str, Any]) -> list[Callback]:
             run.feed.steps,
         )
         run.progress.info(rundir.write_records(run.run_dir, text, info))
-        run.steps_log = StepsLog(run.run_dir / "steps.csv", run.state.global_step, trainer.warn)
-        records.append(StepsLogFeature(run.steps_log))
+        steps_log = StepsLog(run.run_dir / "steps.csv", run.state.global_step, trainer.warn)
+        records.append(StepsLogFeature(steps_log))
         run.tracker = create_trackers(
             trainer.config.tracking,
             trainer.environment.wandb_mode,

@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     from dmltrain.engine.step import ManualStep, OptimizerStep
     from dmltrain.features.monitor import Monitor, StepClock
     from dmltrain.records import rundir
-    from dmltrain.records.training_log import StepsLog
     from dmltrain.runtime import preemption
     from dmltrain.trainer import BaseTrainer
 
@@ -74,14 +73,12 @@ class Run:
     step: "OptimizerStep | ManualStep"  # one optimizer step (dmltrain.engine.step)
     events: Events  # the callbacks' listeners, built-in features first
     tracker: Tracker  # rank 0's trackers (an inactive one elsewhere)
-    steps_log: "StepsLog | None"  # rank 0's steps.csv (log_metrics writes there too)
 
     def __init__(self, trainer: "BaseTrainer") -> None:
         self.trainer = trainer
         # what a trainer not yet fitted answers: step 0, no tracker, no listeners
         self.state = TrainState(trainer.device)
         self.tracker = Tracker()
-        self.steps_log = None
         self.events = Events()
 
     def __getattr__(self, name: str) -> Any:

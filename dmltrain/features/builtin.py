@@ -109,6 +109,9 @@ class StepsLogFeature(Callback):
     def on_log(self, trainer: TrainerView, values: Mapping[str, float]) -> None:
         self.log.write({"step": trainer.global_step, "epoch": trainer.epoch + 1, **values})
 
+    def on_log_metrics(self, trainer: TrainerView, values: Mapping[str, float], step: int) -> None:
+        self.log.add(step, trainer.epoch + 1, dict(values))  # in the row of its step
+
     def on_stop(self) -> None:
         self.log.write()  # what log_metrics gave after the last log interval
 
@@ -121,3 +124,6 @@ class TrackerFeature(Callback):
 
     def on_log(self, trainer: TrainerView, values: Mapping[str, float]) -> None:
         self.tracker.log({f"train/{k}": v for k, v in values.items()}, trainer.global_step)
+
+    def on_log_metrics(self, trainer: TrainerView, values: Mapping[str, float], step: int) -> None:
+        self.tracker.log(dict(values), step)

@@ -29,13 +29,28 @@ ROW_LIMIT = 15  # operators in the printed table
 MEMORY_ENTRIES = 100_000  # allocator events kept by --memory-snapshot (as PyTorch suggests)
 
 
-def check_available(config: ProfilingConfig, device: torch.device) -> None:
-    """Refuse what this device cannot record, before anything starts."""
+def check_available(config: ProfilingConfig, device: torch.device, world_size: int) -> None:
+    """Refuse what this device or job cannot record, before anything starts."""
     if config.memory_snapshot and device.type != "cuda":
         raise UserError(
             f"--memory-snapshot records the CUDA allocator; this run is on {device.type}: "
             "drop the flag (--profile-steps profiles CPU runs)"
         )
+    profiled(config, world_size)
+
+
+def profiled(config: ProfilingConfig, world_size: int) -> list[int]:
+    """The ranks, of ``world_size``, that record anything (none when nothing is asked)."""
+    if config.window() is None and not config.memory_snapshot:
+        return []
+    ranks = config.ranks()
+    beyond = sorted(r for r in ranks or () if r >= world_size)
+    if beyond:
+        raise UserError(
+            f"--profile-ranks {config.profile_ranks}: this run has {world_size} process(es), "
+            f"ranks 0 to {world_size - 1}; rank {beyond[0]} would profile nothing"
+        )
+    return [r for r in range(world_size) if ranks is None or r in ranks]
 
 
 class Profiler:

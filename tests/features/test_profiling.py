@@ -12,7 +12,8 @@ from helpers import TINY, assert_same_run, run_cli
 
 from dmltrain.checkpoint.storage import load_file
 from dmltrain.config import ProfilingConfig
-from dmltrain.errors import ConfigError
+from dmltrain.errors import ConfigError, UserError
+from dmltrain.features.profiling import profiled
 
 
 def test_the_window_is_a_pair_of_global_steps_and_the_ranks_a_list():
@@ -20,10 +21,12 @@ def test_the_window_is_a_pair_of_global_steps_and_the_ranks_a_list():
     assert ProfilingConfig(profile_steps="20:25").window() == (20, 25)
     assert ProfilingConfig(profile_ranks="all").ranks() is None
     assert ProfilingConfig(profile_ranks="0,3").ranks() == {0, 3}
-    assert ProfilingConfig(profile_ranks="all").profiled(4) == []  # nothing asked for
-    assert ProfilingConfig(profile_steps="1:2", profile_ranks="all").profiled(3) == [0, 1, 2]
-    assert ProfilingConfig(profile_steps="1:2", profile_ranks="3,1").profiled(4) == [1, 3]
-    assert ProfilingConfig(memory_snapshot=True).profiled(2) == [0]
+    assert profiled(ProfilingConfig(profile_ranks="all"), 4) == []  # nothing asked for
+    assert profiled(ProfilingConfig(profile_steps="1:2", profile_ranks="all"), 3) == [0, 1, 2]
+    assert profiled(ProfilingConfig(profile_steps="1:2", profile_ranks="3,1"), 4) == [1, 3]
+    assert profiled(ProfilingConfig(memory_snapshot=True), 2) == [0]
+    with pytest.raises(UserError, match="--profile-ranks 3: this run has 2 process"):
+        profiled(ProfilingConfig(profile_steps="1:2", profile_ranks="3"), 2)
     for steps in ("20", "25:20", "a:b", "3:3"):
         with pytest.raises(ConfigError, match="--profile-steps"):
             ProfilingConfig(profile_steps=steps)
