@@ -23,7 +23,8 @@ from dmltrain.checkpoint.storage import (
     load_latest_valid,
     load_sharded,
 )
-from tiny import TinyOptions, TinyTrainer, WrapperNames
+from tiny import TinyOptions, TinyTrainer
+from tiny_models import WrapperNames
 
 
 def fit(run, **config):

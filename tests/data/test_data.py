@@ -16,7 +16,7 @@ from dmltrain.data.samples import (
     keyed,
     sample_seed,
 )
-from tiny import Augmented
+from tiny_streams import Augmented
 
 DATA = TensorDataset(torch.arange(40.0).reshape(20, 2), torch.arange(20))
 

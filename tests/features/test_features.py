@@ -15,7 +15,8 @@ from dmltrain.errors import PeerLost
 from dmltrain.features.builtin import EmaFeature
 from dmltrain.features.ema import EMA
 from dmltrain.runtime.preemption import PreemptionWatcher
-from tiny import EveryEvent, TinyOptions, TinyTrainer
+from tiny import TinyOptions, TinyTrainer
+from tiny_listeners import EveryEvent
 
 
 class Listening(TinyTrainer):

@@ -41,7 +41,7 @@ def test_a_blocked_rank_is_named_with_its_stack_and_the_run_stops_for_requeue(tm
     assert time.monotonic() - began < 50  # not the 60 s of the all-reduce, nor 120 s
     (line,) = [line for line in done.stderr.splitlines() if "hang:" in line]
     assert "rank 1 on " in line and "is inside train_step for" in line, line
-    assert "tiny.py:" in line and "exit status 5" in line, line
+    assert "tiny_faults.py:" in line and "exit status 5" in line, line
     assert "rank 0 on" not in line, line  # it waits where the others would: not named
     hang = tmp_path / "run" / "hang"
     assert (hang / "report.txt").read_text().strip() == line
