@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from dmltrain.config import LoopConfig, TrainConfig, per_process_batch
+from dmltrain.config import TrainConfig, per_process_batch
 from dmltrain.engine import fitting, loop
 from dmltrain.engine.precision import check_available
 from dmltrain.engine.run import Run
@@ -81,15 +81,7 @@ class BaseTrainer(TrainerHooks):
         if dist is None:
             dist = launch.detect(self.config.distributed.launcher, self.config.distributed.nprocs)
         self.dist = dist
-        batch = per_process_batch(self.config.loop, dist.world_size)
-        given = self.config.loop.batch_size
-        if batch != given and given != LoopConfig().batch_size and dist.is_main:
-            self.warn(
-                f"--global-batch-size {self.config.loop.global_batch_size} on "
-                f"{dist.world_size} process(es) sets --batch-size {batch}, not the "
-                f"{given} given"
-            )
-        self.config = self.config.replace(batch_size=batch)
+        per_process_batch(self.config.loop, dist.world_size)  # one that cannot be is refused
         self.environment = launch.run_environment()
         self.device = torch.device(self.dist.device)
         # Chosen (and checked) now, so bad settings fail before any process starts.

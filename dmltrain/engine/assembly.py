@@ -20,7 +20,7 @@ from dmltrain import callback
 from dmltrain.callback import Callback, Events
 from dmltrain.checkpoint.checkpointer import Checkpointer, Saved
 from dmltrain.checkpoint.storage import CheckpointDir
-from dmltrain.config import CheckpointConfig
+from dmltrain.config import CheckpointConfig, LoopConfig, per_process_batch
 from dmltrain.config.files import as_plain, to_yaml
 from dmltrain.data import rng, samples, streams
 from dmltrain.data.streams import TrainFeed
@@ -185,9 +185,18 @@ def _start(run: Run, evaluating: bool) -> ProfilerFeature | None:
     cuda = trainer.device.type == "cuda"
     threads.assign(cfg.distributed.threads, cfg.data.num_workers, run.ranks, cuda)
     torch.set_num_threads(run.ranks[dist.rank]["threads"])
-    # resolved once, as config.yaml records it: the run directory chosen, no "auto" workers
+    # What the processes decide, resolved once as config.yaml records it: each process's
+    # share of --global-batch-size, the run directory chosen, no "auto" workers.
+    batch, given = per_process_batch(loop, dist.world_size), loop.batch_size
+    if batch != given and given != LoopConfig().batch_size and dist.is_main:
+        trainer.warn(
+            f"--global-batch-size {loop.global_batch_size} on {dist.world_size} process(es) "
+            f"sets --batch-size {batch}, not the {given} given"
+        )
     workers = run.ranks[dist.rank]["workers"]
-    trainer.config = cfg = cfg.replace(run_dir=str(run.run_dir), num_workers=workers)
+    trainer.config = cfg = cfg.replace(
+        batch_size=batch, run_dir=str(run.run_dir), num_workers=workers
+    )
     run.precision = Precision(cfg.numerics.precision, trainer.device)
     set_matmul_precision(cfg.numerics.matmul_precision, trainer.device)
     profiler = _profiler_feature(run)
