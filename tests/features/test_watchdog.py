@@ -48,7 +48,7 @@ def test_a_blocked_rank_is_named_with_its_stack_and_the_run_stops_for_requeue(tm
     stacks = (hang / "rank-1.txt").read_text()
     where = json.loads(stacks.splitlines()[0])
     assert where["rank"] == 1 and where["steps"] == 4 and where["in_train_step_s"] >= 3
-    assert where["frame"].endswith("in train_step")
+    assert where["frame"].endswith("in before_step")  # the fault, called by train_step
     assert "time.sleep(o.pause_seconds)" in stacks  # the blocking frame
     waiting = json.loads((hang / "rank-0.txt").read_text().splitlines()[0])
     assert waiting["in_train_step_s"] is None and waiting["steps"] == 4
