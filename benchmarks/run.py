@@ -31,6 +31,7 @@ BENCHMARKS = [
     "overhead",
     "startup",
     "checkpoint",
+    "checkpoint_tiers",
     "scaling",
     "nan_check",
     "threads",

@@ -6,6 +6,7 @@ import functools
 import http.server
 import subprocess
 import threading
+import time
 
 import pytest
 from helpers import (
@@ -97,6 +98,8 @@ QUICK = (
     "test_checkpoint.py::test_load_weights_for_fine_tuning",
     "test_checkpoint.py::test_contents_load_with_plain_torch_and_no_prefixes",
     "test_checkpoint.py::test_kill_9_during_writes_never_breaks_latest",
+    "test_objects.py::test_a_kill_during_an_upload_leaves_latest_whole_and_the_run_resumes_bitwise",
+    "test_tiers.py::test_a_node_lost_while_a_checkpoint_drains_resumes_from_the_last_durable_one",
     "test_cli.py::test_config_file_then_flags",
     "test_submit.py::test_slurm_torchrun_script_has_one_task_per_node_and_the_command",
     "test_cli.py::test_boolean_flags_come_in_pairs_and_override_the_config_file",
@@ -228,3 +231,62 @@ def tiny_reference(tmp_path_factory):
     done = run_cli(*TINY_RUN, "--nprocs", "2", "--run-dir", str(run), cwd=run.parent)
     assert done.returncode == 0, done.stderr
     return run
+
+
+# ----- object storage (tests/checkpoint/test_objects.py, tests/test_mnist.py) ---------------
+class HeldUploads:
+    """WSGI layer before moto: while ``hold`` is set, a checkpoint's upload (a PUT under
+    checkpoints/ckpt-) is noted (``held``, ``began``) and never reaches the store: the
+    upload of a client killed meanwhile."""
+
+    def __init__(self, app) -> None:
+        self.app, self.hold, self.held, self.began = app, 0.0, "", threading.Event()
+
+    def __call__(self, environ, start_response):
+        path = environ.get("PATH_INFO", "")
+        if environ["REQUEST_METHOD"] == "PUT" and "/checkpoints/ckpt-" in path and self.hold:
+            self.held = path
+            self.began.set()
+            time.sleep(self.hold)
+            start_response("503 Service Unavailable", [("Content-Length", "0")])
+            return [b""]
+        return self.app(environ, start_response)
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """moto's S3 on a free port of 127.0.0.1 with a bucket ``bucket``; the environment a
+    run reaches it with (credentials as every AWS client reads them)."""
+    pytest.importorskip("s3fs", reason="the s3 extra (pip install -e .[dev] installs it)")
+    import boto3
+    from moto.moto_server.werkzeug_app import DomainDispatcherApplication, create_backend_app
+    from werkzeug.serving import WSGIRequestHandler, make_server
+
+    class Quiet(WSGIRequestHandler):
+        def log_request(self, *args, **kwargs):
+            pass
+
+    layer = HeldUploads(DomainDispatcherApplication(create_backend_app))
+    server = make_server("127.0.0.1", 0, layer, threaded=True, request_handler=Quiet)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{server.server_port}",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "AWS_CONFIG_FILE": "/nonexistent",
+        "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent",
+    }
+    client = boto3.client(
+        "s3",
+        endpoint_url=env["AWS_ENDPOINT_URL"],
+        region_name="us-east-1",
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing",
+    )
+    client.create_bucket(Bucket="bucket")
+    yield env, client, layer
+    server.shutdown()
+    thread.join()

@@ -87,13 +87,19 @@ def run_fresh(
 
 
 def signal_at_line(
-    args: list[str], line: str, name: str, cwd: Path, timeout: float = 300, group: bool = False
+    args: list[str],
+    line: str,
+    name: str,
+    cwd: Path,
+    timeout: float = 300,
+    group: bool = False,
+    **env: str,
 ) -> tuple[int, str]:
-    """Run ``dmltrain ARGS`` and send it signal ``name`` when it prints a line containing
-    ``line`` (a progress line); its exit status and stderr. ``group``: to every process of
-    the run (started in a process group of its own), as a terminal's Ctrl-C and a
-    scheduler's signal to a job step reach them."""
-    proc = subprocess.Popen([sys.executable, "-m", "dmltrain", *args], cwd=cwd, env=cli_env(),
+    """Run ``dmltrain ARGS`` (``env`` added to its environment) and send it signal ``name``
+    when it prints a line containing ``line`` (a progress line); its exit status and
+    stderr. ``group``: to every process of the run (started in a process group of its
+    own), as a terminal's Ctrl-C and a scheduler's signal to a job step reach them."""
+    proc = subprocess.Popen([sys.executable, "-m", "dmltrain", *args], cwd=cwd, env=cli_env(**env),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=group)  # fmt: skip
     assert proc.stdout is not None

@@ -4,6 +4,7 @@ import csv
 import itertools
 import json
 import math
+import shutil
 import subprocess
 import sys
 
@@ -20,6 +21,7 @@ from helpers import (
     signal_at_line,
 )
 
+from dmltrain.checkpoint.objects import mirror
 from dmltrain.records.training_log import read_training_log
 from dmltrain.runtime.launch import free_port
 from dmltrain_experiments import mnist_data
@@ -101,6 +103,46 @@ def test_mnist_resumed_mid_epoch_ends_bitwise_equal(mnist_reference, tmp_path, n
     assert resumed.returncode == 0 and "resuming from" in resumed.stdout, resumed.stderr
     assert "(epoch 1, 0 steps" not in resumed.stdout  # it stopped mid-epoch
     assert_same_mnist(mnist_reference, run)
+
+
+def test_mnist_resumed_mid_epoch_from_s3_on_another_machine_ends_bitwise_equal(
+    mnist_reference, s3, tmp_path
+):
+    """--run-dir s3://...: stopped at step 12 of 32, its checkpoint in the store (moto's
+    S3 on 127.0.0.1); the job that goes on starts without the local records folder."""
+    env, client, _ = s3
+    uri = "s3://bucket/mnist"
+    args = [*NPROCS, "--run-dir", uri]
+    code, err = signal_at_line([*args, *AT_ONCE], "epoch 1/1 step 12/", "SIGUSR1", tmp_path,
+                               **env)  # fmt: skip
+    assert code == 3, err
+    shutil.rmtree(tmp_path / "runs")  # another machine
+    resumed = run_cli(*args, cwd=tmp_path, **env)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from {uri}/checkpoints/ckpt-000001-" in resumed.stdout
+    assert "(epoch 1, 0 steps" not in resumed.stdout  # it stopped mid-epoch
+    local = tmp_path / mirror(uri)
+    pointer = client.get_object(Bucket="bucket", Key="mnist/checkpoints/latest")["Body"].read()
+    key = f"mnist/checkpoints/{json.loads(pointer)['checkpoint']}"  # the store's, fetched
+    latest = client.get_object(Bucket="bucket", Key=key)["Body"].read()
+    (local / "checkpoints" / "latest.pt").write_bytes(latest)
+    assert_same_mnist(mnist_reference, local)
+
+
+def test_mnist_through_the_node_local_tier_resumed_mid_epoch_ends_bitwise_equal(
+    mnist_reference, tmp_path
+):
+    """--local-checkpoint-dir: the checkpoints drained to the run directory, the local
+    folder left empty, and the resumed run equal to one never stopped."""
+    run = tmp_path / "run"
+    args = [*NPROCS, "--run-dir", str(run), "--local-checkpoint-dir", str(tmp_path / "local")]
+    code, err = signal_at_line([*args, *AT_ONCE], "epoch 1/1 step 12/", "SIGUSR1", tmp_path)
+    assert code == 3, err
+    assert (run / "checkpoints" / "latest.pt").resolve().name.startswith("ckpt-000001-")
+    resumed = run_cli(*args, cwd=tmp_path)
+    assert resumed.returncode == 0 and "resuming from" in resumed.stdout, resumed.stderr
+    assert_same_mnist(mnist_reference, run)
+    assert not [p for p in (tmp_path / "local").rglob("*") if p.is_file()]
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "mpirun", "srun"])

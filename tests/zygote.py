@@ -41,7 +41,7 @@ _LENGTH = struct.Struct("!I")
 LATE_NAMES = ("PYTEST_CURRENT_TEST", "TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE",
               "TORCH_GLOO_LAZY_INIT", "TORCHINDUCTOR_CACHE_DIR", "MASTER_ADDR", "MASTER_PORT",
               "SLURM_JOB_ID")  # fmt: skip
-LATE_PREFIXES = ("MLFLOW_", "WANDB_", "READS_")
+LATE_PREFIXES = ("MLFLOW_", "WANDB_", "READS_", "AWS_")
 
 
 def _late(name: str) -> bool:

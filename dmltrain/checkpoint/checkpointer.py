@@ -96,7 +96,7 @@ def _schedulers_state(schedulers: tuple[Any, ...]) -> Any:
 
 
 def _load_schedulers(
-    schedulers: tuple[Any, ...], saved: Any, path: Path, say: Callable[[str], None]
+    schedulers: tuple[Any, ...], saved: Any, path: str, say: Callable[[str], None]
 ) -> None:
     """The inverse of ``_schedulers_state`` (a checkpoint's schedulers into these, or
     these replayed to the saved position: ``schedules``)."""
@@ -181,13 +181,15 @@ class Checkpointer:
         fmt = config.checkpoint_format
         self.sharded = fmt == "sharded" or (fmt == "auto" and strategy.shards_checkpoints)
         problem = strategy.sharded_checkpoints_problem() if self.sharded else None
+        if problem is None and self.sharded:
+            problem = store.shards_problem()
         if problem is not None:
             raise UserError(problem)
         self.last_save = time.monotonic()
         self.written = 0  # checkpoints this job saved (the batch scripts' --status-file)
         # the callbacks' on_save_checkpoint and on_load_checkpoint (the trainer sets them)
         self.before_save: Callable[[], None] = lambda: None
-        self.loaded: Callable[[Path], None] = lambda path: None
+        self.loaded: Callable[[Path | str], None] = lambda path: None
 
     # ----- when -------------------------------------------------------------------------
     def minutes_due(self) -> bool:
@@ -322,10 +324,9 @@ class Checkpointer:
         except WriteFailed as exc:
             self.warn(str(exc))
 
-    def newest(self) -> Path | None:
+    def newest(self) -> str | None:
         """The newest checkpoint of this run, if any."""
-        found = self.store.newest()
-        return None if found is None else Path(found)
+        return self.store.newest()
 
     # ----- restoring ----------------------------------------------------------------------
     def restore(self) -> None:
@@ -349,9 +350,9 @@ class Checkpointer:
                 f"{s.step_in_epoch} steps into it, global step {s.global_step})"
             )
             self._resized(state)
-            self.loaded(path)
+            self.loaded(_shown(path))
         elif load_weights:
-            path = Path(load_weights)
+            path = load_weights
             state = self._weights(path)
             if cfg.ema:  # the averaged weights, as the model's
                 if "ema" not in state and not state.get("ema_sharded"):
@@ -368,7 +369,7 @@ class Checkpointer:
             parts = Parts(cfg.load_optimizer, cfg.load_scheduler, cfg.load_scaler, cfg.load_epoch)
             self._load(state, path, parts)
             self.say(f"dmltrain: weights loaded from {load_weights}")
-            self.loaded(path)
+            self.loaded(_shown(path))
 
     def rollback(self, epoch: int, step: int) -> None:
         """Every rank reloads the newest valid checkpoint of this run and will skip the
@@ -383,16 +384,16 @@ class Checkpointer:
         self._load(state, path, EVERYTHING)
         self.saved.state.skip_steps.add((epoch, step))
         self.say(f"dmltrain: rolled back to {path}; epoch {epoch} step {step} will be skipped")
-        self.loaded(path)
+        self.loaded(_shown(path))
 
-    def _weights(self, path: Path) -> dict[str, Any]:
-        found = self._read(lambda: (str(path), self.store.read(str(path))))
+    def _weights(self, path: str) -> dict[str, Any]:
+        found = self._read(lambda: (path, self.store.read(path)))
         assert found is not None
         return found[1]
 
     def _read(
         self, read: Callable[[], tuple[str, dict[str, Any]] | None]
-    ) -> tuple[Path, dict[str, Any]] | None:
+    ) -> tuple[str, dict[str, Any]] | None:
         """What rank 0's ``read`` found (a checkpoint's path and its state, or None), on
         every rank: the file is read and checked once in all, not once a rank, and a
         UserError there is every rank's."""
@@ -409,9 +410,9 @@ class Checkpointer:
             raise SharedError(failed)
         if choice is None:
             return None
-        return Path(choice), hand_out(self.strategy, None if found is None else found[1])
+        return choice, hand_out(self.strategy, None if found is None else found[1])
 
-    def _check_resumable(self, state: dict[str, Any], path: Path) -> None:
+    def _check_resumable(self, state: dict[str, Any], path: str) -> None:
         """The seed fixes the data order, and the global batch (processes x batch size x
         accumulation) the optimisation: a resume keeps both, at any number of processes.
         Other changed settings are listed in a warning."""
@@ -494,7 +495,7 @@ class Checkpointer:
             )
         self.say(said + (" (kept)" if old == new else ""))
 
-    def _load(self, state: dict[str, Any], path: Path, parts: Parts) -> None:
+    def _load(self, state: dict[str, Any], path: str, parts: Parts) -> None:
         saved = self.saved
         optimizer, counters = parts.optimizer, parts.run
         # loading may take a zero step (see save); set_to_none is the default, and Horovod's
@@ -514,7 +515,7 @@ class Checkpointer:
             for key, item in saved.shaped.items():
                 if counters and state.get(f"{key}_sharded"):
                     shards[key] = item.shards(counters=False)  # loaded into in place
-            self.store.read_shards(str(path), shards, state["index"])
+            self.store.read_shards(path, shards, state["index"])
             if optimizer:
                 dcp().set_state_dict(
                     saved.model,
@@ -557,7 +558,7 @@ class Checkpointer:
                 seed = state["config"]["train"]["seed"]
                 seed_everything(sample_seed(seed, state["global_step"], rank) >> 1)
 
-    def _optimizer_settings(self, saved: dict[str, Any], path: Path) -> None:
+    def _optimizer_settings(self, saved: dict[str, Any], path: str) -> None:
         """The loaded param groups with this run's --lr and --weight-decay where they
         changed (the groups' own learning rates scaled alike; a scheduler built now takes
         over from its saved position: ``schedules``). A group that lacks a setting of its
@@ -587,7 +588,7 @@ class Checkpointer:
                 if decay != decay_was and group.get("weight_decay") == decay_was:
                     group["weight_decay"] = decay
 
-    def _restore_position(self, state: dict[str, Any], path: Path) -> None:
+    def _restore_position(self, state: dict[str, Any], path: str) -> None:
         """Each rank's place in its training stream, taken up when the loop goes on."""
         feed, world = self.saved.feed, self.dist.world_size
         if feed is None or not feed.takes_position(state["step_in_epoch"] > 0):
@@ -609,7 +610,7 @@ class Checkpointer:
         mine = None if positions is None else positions[self.dist.rank]
         feed.restore(mine, self.warn if self.dist.is_main else lambda line: None)
 
-    def _load_states(self, kept: dict[str, Any], path: Path) -> None:
+    def _load_states(self, kept: dict[str, Any], path: str) -> None:
         """The callbacks' and the experiment's states; one that the checkpoint lacks starts
         afresh, and one that this run no longer has is dropped, each said in a line."""
         for key, item in self.saved.states.items():
@@ -623,3 +624,10 @@ class Checkpointer:
                 f"{path} holds state for {', '.join(dropped)}, which this run does not have "
                 "(create_callbacks, create_states): it is dropped"
             )
+
+
+def _shown(location: str) -> Path | str:
+    """A checkpoint's location as ``on_load_checkpoint`` gets it: a Path, or a URI."""
+    from dmltrain.checkpoint.objects import is_uri
+
+    return location if is_uri(location) else Path(location)

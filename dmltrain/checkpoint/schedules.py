@@ -51,7 +51,9 @@ def differences(old: Any, new: Any, where: str = "") -> list[str]:
     return [] if old == new else [f"{where or 'state'}: {old} -> {new}"]
 
 
-def load(scheduler: Any, saved: dict[str, Any], path: Path, say: Callable[[str], None]) -> None:
+def load(
+    scheduler: Any, saved: dict[str, Any], path: Path | str, say: Callable[[str], None]
+) -> None:
     """``saved`` into ``scheduler``, or the scheduler replayed to the saved position when the
     experiment built a different schedule (see the module's docstring)."""
     fresh = scheduler.state_dict()
@@ -65,12 +67,12 @@ def load(scheduler: Any, saved: dict[str, Any], path: Path, say: Callable[[str],
     replay(scheduler, fresh, steps, path)
     lrs = ", ".join(f"{lr:.4g}" for lr in scheduler.get_last_lr())
     say(
-        f"dmltrain: the LR schedule is not the one in {path.name} ({changed}): this run goes "
+        f"dmltrain: the LR schedule is not the one in {_name(path)} ({changed}): this run goes "
         f"on with the schedule create_scheduler built now, from its step {steps} (lr {lrs})"
     )
 
 
-def replay(scheduler: LRScheduler, fresh: dict[str, Any], steps: int, path: Path) -> None:
+def replay(scheduler: LRScheduler, fresh: dict[str, Any], steps: int, path: Path | str) -> None:
     """``scheduler`` from its start (``fresh``: its state as built) stepped ``steps`` times."""
     scheduler.load_state_dict(fresh)
     for group, lr in zip(scheduler.optimizer.param_groups, fresh["_last_lr"], strict=True):
@@ -83,6 +85,11 @@ def replay(scheduler: LRScheduler, fresh: dict[str, Any], steps: int, path: Path
         except (ValueError, ZeroDivisionError) as exc:
             raise UserError(
                 f"the LR schedule create_scheduler built cannot reach step {steps}, where "
-                f"{path.name} is ({exc}); build it for at least as many steps, or start anew "
+                f"{_name(path)} is ({exc}); build it for at least as many steps, or start anew "
                 "with --load-weights"
             ) from None
+
+
+def _name(location: Path | str) -> str:
+    """A checkpoint's file name, of a path or a URI."""
+    return str(location).rsplit("/", 1)[-1]

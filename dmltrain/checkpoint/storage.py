@@ -116,7 +116,7 @@ def _first_failure(exc: BaseException) -> BaseException:
     return exc
 
 
-def _point(link: Path, target: Path) -> None:
+def point(link: Path, target: Path) -> None:
     """Make ``link`` a symlink to ``target`` (same directory), atomically."""
     tmp = link.with_name(f".{link.name}.tmp-{os.getpid()}")
     tmp.unlink(missing_ok=True)
@@ -228,16 +228,23 @@ def load_latest_valid(directory: Path, warn: Any) -> tuple[Path, dict[str, Any]]
     reported and skipped. A directory whose checkpoints all fail to load, or whose newest
     loadable one is of a newer format (``TooNew``), is a ``UserError``: going on from step
     0 there would rotate those checkpoints away."""
-    found = list_checkpoints(directory)
-    for path in found:
+    return first_that_loads(list_checkpoints(directory), load_file, str(directory), warn)
+
+
+def first_that_loads(
+    found: list[Any], read: Callable[[Any], dict[str, Any]], where: str, warn: Any
+) -> tuple[Any, dict[str, Any]] | None:
+    """The first of ``found`` (checkpoints, newest first) that ``read`` loads, with its
+    state; ``load_latest_valid``'s rules, for any store (``where``: as a line names it)."""
+    for location in found:
         try:
-            return path, load_file(path)
+            return location, read(location)
         except TooNew:
             raise
         except UserError as exc:
-            if path == found[-1]:
+            if location == found[-1]:
                 raise UserError(
-                    f"none of the {len(found)} checkpoint(s) in {directory} loads (the oldest: "
+                    f"none of the {len(found)} checkpoint(s) in {where} loads (the oldest: "
                     f"{exc}); nothing was changed: move them away to start this run over, or "
                     "pass a new --run-dir"
                 ) from None
@@ -301,6 +308,15 @@ class CheckpointStore(Protocol):
         """A sharded checkpoint's shards, into ``shards`` in place."""
         ...
 
+    def shards_problem(self) -> str | None:
+        """Why sharded checkpoints (torch.distributed.checkpoint) cannot go here, or None."""
+        ...
+
+    def settle(self) -> None:
+        """Rank 0, as the job ends: what is still in flight made durable (a drain from a
+        node-local folder, the records copied to a remote store)."""
+        ...
+
 
 class CheckpointDir:
     """Writes checkpoints of one run (on rank 0; sharded ones on every rank) and keeps the
@@ -322,6 +338,12 @@ class CheckpointDir:
     def where(self) -> str:
         return str(self.directory)
 
+    def shards_problem(self) -> str | None:
+        return None
+
+    def settle(self) -> None:
+        """Everything is in the run directory already."""
+
     def holds(self, epoch: int, global_step: int, sharded: bool) -> bool:
         path = self.directory / checkpoint_name(epoch, global_step, SHARDED if sharded else FULL)
         return path.exists() if sharded else path.is_file()
@@ -335,7 +357,9 @@ class CheckpointDir:
         return None if found is None else (str(found[0]), found[1])
 
     def read(self, location: str) -> dict[str, Any]:
-        return load_file(Path(location))
+        from dmltrain.checkpoint import objects  # it builds on this module
+
+        return objects.read(location, self.directory)
 
     def read_shards(self, location: str, shards: dict[str, Any], index: Any) -> None:
         load_sharded(Path(location), shards, index)
@@ -479,9 +503,9 @@ class CheckpointDir:
     def _publish(self, path: Path, best: bool, prune: bool = True) -> None:
         """Move the links to a complete checkpoint, then prune."""
         kind = SHARDED if is_sharded(path) else FULL
-        _point(self.directory / f"latest{kind}", path)
+        point(self.directory / f"latest{kind}", path)
         if best:
-            _point(self.directory / f"best{kind}", path)
+            point(self.directory / f"best{kind}", path)
         if prune:
             self._prune()
 

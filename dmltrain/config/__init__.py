@@ -119,8 +119,8 @@ class LoopConfig:
     run_dir: str | None = field(
         default=None,
         metadata={
-            "help": "directory for everything the run writes "
-            "(default: runs/<experiment>-<job id or time>)"
+            "help": "directory for everything the run writes (default: "
+            "runs/<experiment>-<job id or time>), or an object store's URI (s3://bucket/run)"
         },
     )
     callbacks: str = field(
@@ -331,7 +331,7 @@ class CheckpointConfig:
         default="auto",
         metadata={
             "help": "auto: continue the run directory's latest checkpoint if any; "
-            "never; or a checkpoint PATH"
+            "never; or a checkpoint PATH or URI"
         },
     )
     allow_global_batch_change: bool = field(
@@ -358,6 +358,14 @@ class CheckpointConfig:
     keep_last: int = field(
         default=3, metadata={"help": "keep the newest K checkpoints (and the best); 0 keeps all"}
     )
+    local_checkpoint_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "write each checkpoint to this node-local folder first ($TMPDIR, local "
+            "NVMe); a background copy drains it to the run directory, where it becomes the "
+            "latest"
+        },
+    )
     async_checkpoint: bool = field(
         default=False,
         metadata={
@@ -381,7 +389,7 @@ class CheckpointConfig:
     )
     load_weights: str | None = field(
         default=None,
-        metadata={"help": "start from this checkpoint's model weights (fine-tuning)"},
+        metadata={"help": "start from this checkpoint's model weights (a path or a URI)"},
     )
     load_optimizer: bool = field(
         default=False, metadata={"help": "with --load-weights: also load the optimizer state"}

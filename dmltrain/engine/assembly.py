@@ -18,8 +18,9 @@ import torch
 
 from dmltrain import callback
 from dmltrain.callback import Callback, Events
+from dmltrain.checkpoint import objects, tiers
 from dmltrain.checkpoint.checkpointer import Checkpointer, Saved
-from dmltrain.checkpoint.storage import CheckpointDir
+from dmltrain.checkpoint.storage import CheckpointDir, CheckpointStore
 from dmltrain.config import CheckpointConfig, LoopConfig, per_process_batch
 from dmltrain.config.files import as_plain, to_yaml
 from dmltrain.data import rng, samples, streams
@@ -194,8 +195,9 @@ def _start(run: Run, evaluating: bool) -> ProfilerFeature | None:
             f"sets --batch-size {batch}, not the {given} given"
         )
     workers = run.ranks[dist.rank]["workers"]
+    remote = objects.is_uri(loop.run_dir)  # kept as the URI; run.run_dir: the records' folder
     trainer.config = cfg = cfg.replace(
-        batch_size=batch, run_dir=str(run.run_dir), num_workers=workers
+        batch_size=batch, run_dir=loop.run_dir if remote else str(run.run_dir), num_workers=workers
     )
     run.precision = Precision(cfg.numerics.precision, trainer.device)
     set_matmul_precision(cfg.numerics.matmul_precision, trainer.device)
@@ -265,7 +267,21 @@ def _restore(run: Run, restoring: CheckpointConfig, saved: Saved, plain: dict[st
     """The checkpointer over the run directory's checkpoints; what ``restoring`` asks for
     loaded (a resume, other weights, or nothing)."""
     trainer, cfg = run.trainer, run.trainer.config
-    store = CheckpointDir(run.run_dir / "checkpoints", cfg.keep_last, cfg.async_checkpoint)
+    store: CheckpointStore
+    shared = run.run_dir / "checkpoints"
+    if objects.is_uri(cfg.run_dir):  # object storage; the records copied beside it
+        if cfg.local_checkpoint_dir:
+            raise UserError(
+                "--local-checkpoint-dir drains to a run directory on a file system; with "
+                f"--run-dir {cfg.run_dir} each checkpoint is written locally and uploaded "
+                "already: drop --local-checkpoint-dir"
+            )
+        store = objects.ObjectStore(cfg.run_dir, cfg.keep_last, run.run_dir, cfg.async_checkpoint)
+    elif cfg.local_checkpoint_dir:  # a node-local tier drained to the run directory
+        local = tiers.local_folder(Path(cfg.local_checkpoint_dir), run.run_dir)
+        store = tiers.TieredDir(shared, local, cfg.keep_last, trainer.warn, cfg.async_checkpoint)
+    else:
+        store = CheckpointDir(shared, cfg.keep_last, cfg.async_checkpoint)
     run.checkpointer = Checkpointer(
         restoring, store, saved, trainer.strategy, plain, run.progress.info, trainer.warn
     )
@@ -444,6 +460,11 @@ def _start_records(run: Run, plain: dict[str, Any]) -> list[Callback]:
             f"dmltrain: {trainer.name} -> {run.run_dir} (options: config.yaml there; "
             "--print-config prints them)"
         )
+        if objects.is_uri(trainer.config.run_dir):
+            run.progress.info(
+                f"dmltrain: checkpoints in {trainer.config.run_dir}/checkpoints; the records "
+                "are written here and copied there with each checkpoint and at the end"
+            )
         strategy = trainer.strategy
         info = diagnostics.collect(
             run.ranks,

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from dmltrain import compat
+from dmltrain.checkpoint import objects
 from dmltrain.data import samples
 from dmltrain.engine import contract, evaluation, progress
 from dmltrain.engine.assembly import assemble, assemble_evaluation
@@ -43,10 +44,22 @@ def fit(run: Run) -> list[dict[str, Any]]:
     except BaseException as exc:
         _close(run, exc)
         _record_outcome(run, exc)
+        _settle(run)
         raise
     _record_outcome(run, None)  # first: the training is done whatever on_close does
     _close(run, None)
+    _settle(run)
     return rows
+
+
+def _settle(run: Run) -> None:
+    """Rank 0, last: what the store has in flight made durable (a drain from the node-local
+    folder, the records copied to object storage); a failure is a warning."""
+    if run.trainer.dist.is_main and run.made("checkpointer"):
+        try:
+            run.checkpointer.store.settle()
+        except UserError as exc:
+            run.trainer.warn(str(exc))
 
 
 def _close(run: Run, error: BaseException | None) -> None:
@@ -188,10 +201,15 @@ def spawn_workers(trainer: "BaseTrainer") -> list[dict[str, Any]]:
     """``--nprocs N``: start N workers here and wait (``processes.spawn_fits``)."""
     evaluating = trainer.config.checkpoint.evaluating
     name = trainer.name + ("-eval" if evaluating else "")
-    run_dir = Path(trainer.config.run_dir or rundir.default_path(name, trainer.dist.job_id))
-    rundir.check(run_dir)
+    given = trainer.config.run_dir
+    if objects.is_uri(given):  # the workers' rank 0 checks the store
+        run_dir = objects.mirror(given)
+    else:
+        run_dir = Path(objects.local(given or rundir.default_path(name, trainer.dist.job_id)))
+        rundir.check(run_dir)
+        given = str(run_dir)
     config = trainer.config.replace(
-        run_dir=str(run_dir), progress=progress.for_workers(trainer.config.loop.progress)
+        run_dir=given, progress=progress.for_workers(trainer.config.loop.progress)
     )
     processes.spawn_fits(type(trainer), trainer.name, config, trainer.options, trainer.dist)
     if trainer.config.checkpoint.predict:

@@ -226,7 +226,7 @@ class NanChecker:
         now: int,
         where: Callable[[int], tuple[int, int]],
         info: Callable[[str], None],
-        newest: Callable[[], Path | None],
+        newest: Callable[[], str | None],
         seen: Sequence[float] | None = None,
     ) -> None:
         """Collective: what the ranks saw since the last settle, read and acted on alike.
@@ -282,7 +282,7 @@ class NanChecker:
         event: NanEvent,
         mode: str,
         info: Callable[[str], None],
-        newest: Callable[[], Path | None],
+        newest: Callable[[], str | None],
     ) -> None:
         """What ``--on-nan`` ``mode`` does with ``event``, the same on every rank: skip
         (the step's update was skipped: reported), rollback (``RollBack``), raise

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from dmltrain.checkpoint import objects
 from dmltrain.checkpoint.storage import list_checkpoints
 from dmltrain.errors import (
     NonFiniteError,
@@ -158,11 +159,18 @@ def choose(
     decision: tuple[str, str | None] = ("", None)
     held = Held(None)
     if is_main:
-        path = Path(requested or default())
+        remote = requested if objects.is_uri(requested) else None
+        # a run in object storage keeps its records in a local folder (objects)
+        path = objects.mirror(remote) if remote else Path(objects.local(requested or default()))
         error = problem(path)
+        if error is None and remote:
+            error = objects.unreachable(remote)
         if error is None and not evaluating:
             held, error = _hold(path, wait)
-            error = error or _taken(path, resume)
+            if error is None and remote:  # an earlier job's, written on another machine
+                error = objects.fetch_records(remote, path)
+            if error is None:
+                error = _taken(path, remote or str(path), resume, _checkpoints(path, remote))
             if error is None:  # a job whose rank 0 stopped inside such an event left it
                 (path / ALONE).unlink(missing_ok=True)
         decision = (str(path), error)
@@ -173,19 +181,26 @@ def choose(
     return Path(chosen), held
 
 
-def _taken(path: Path, resume: str) -> str | None:
-    """Why a run cannot start or go on in ``path``, which holds another, or None."""
-    checkpoints = list_checkpoints(path / "checkpoints")
+def _checkpoints(path: Path, remote: str | None) -> list[Any]:
+    """The run's checkpoints: in the run directory, or in its object store."""
+    if remote is None:
+        return list_checkpoints(path / "checkpoints")
+    return objects.ObjectStore(remote, 0, path).names()
+
+
+def _taken(path: Path, shown: str, resume: str, checkpoints: list[Any]) -> str | None:
+    """Why a run cannot start or go on in ``path`` (``shown``: as the user named it),
+    which holds another, or None."""
     if resume == "never" and checkpoints:
         return (
-            f"run directory {path} already holds a run with checkpoints: --resume never "
+            f"run directory {shown} already holds a run with checkpoints: --resume never "
             "starts a new run only in a new --run-dir (--resume auto goes on with this one)"
         )
     # a checkpoint to go on from: the directory's own, or a path given (--resume PATH)
     resumable = resume not in ("auto", "never") or (resume == "auto" and checkpoints)
     if (path / "training_log.csv").exists() and not resumable:
         return (
-            f"run directory {path} already holds a run (training_log.csv) with no "
+            f"run directory {shown} already holds a run (training_log.csv) with no "
             "checkpoint to resume; pass a new --run-dir to start another"
         )
     return None

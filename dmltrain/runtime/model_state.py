@@ -19,7 +19,7 @@ def shapes_of(weights: dict[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
 
 
 def check_model_fits(
-    own: dict[str, tuple[int, ...]], saved: dict[str, tuple[int, ...]], source: Path
+    own: dict[str, tuple[int, ...]], saved: dict[str, tuple[int, ...]], source: Path | str
 ) -> None:
     """A UserError naming missing/unexpected keys and shape mismatches, if any (both
     arguments map parameter names to shapes: the model's and the checkpoint's)."""
@@ -72,7 +72,7 @@ def optimizer_state_by_name(model: torch.nn.Module, optimizer: torch.optim.Optim
 
 
 def load_optimizer_state_by_name(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: dict, path: Path
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: dict, path: Path | str
 ) -> None:
     """The inverse of ``optimizer_state_by_name``."""
     index = {name: i for i, name in enumerate(_parameter_names(model, optimizer))}
@@ -104,7 +104,7 @@ def optimizers_state_by_name(model: torch.nn.Module, optimizers: tuple[Any, ...]
 
 
 def load_optimizers_state_by_name(
-    model: torch.nn.Module, optimizers: tuple[Any, ...], saved: dict, path: Path
+    model: torch.nn.Module, optimizers: tuple[Any, ...], saved: dict, path: Path | str
 ) -> None:
     """The inverse of ``optimizers_state_by_name``: each optimizer takes as many param
     groups as it has, in order, and the states of their parameters."""

@@ -58,6 +58,12 @@ class MemoryStore:
     def read_shards(self, location, shards, index):
         raise NotImplementedError("the memory store keeps full checkpoints")
 
+    def shards_problem(self):
+        return "the memory store keeps full checkpoints"
+
+    def settle(self):
+        pass  # nothing in flight
+
 
 def test_a_run_saved_to_and_resumed_from_another_store_trains_as_one_never_stopped(
     tmp_path, monkeypatch, capsys

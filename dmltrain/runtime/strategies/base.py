@@ -168,7 +168,7 @@ class Strategy:
         optimizers: tuple[Any, ...],
         state: dict[str, Any],
         optimizer: bool,
-        source: Path,
+        source: Path | str,
     ) -> None:
         """A full checkpoint's ``model`` (and ``optimizer`` when asked) into this run's,
         checked against the model first."""

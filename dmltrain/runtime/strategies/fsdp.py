@@ -72,7 +72,7 @@ class FSDPStrategy(DDPStrategy):
         optimizers: tuple[Any, ...],
         state: dict[str, Any],
         optimizer: bool,
-        source: Path,
+        source: Path | str,
     ) -> None:
         check_model_fits(shapes_of(unwrap(model).state_dict()), shapes_of(state["model"]), source)
         options = dcp().StateDictOptions(full_state_dict=True, strict=True)

@@ -1,0 +1,149 @@
+"""The node-local tier (dmltrain/checkpoint/tiers.py, --local-checkpoint-dir): checkpoints
+written to a local folder and drained to the run directory in the background, with real
+files and real mounts. The run directory's checkpoint folder is made read-only with a
+bind mount (root, as in CI), so that a drain fails and waits; the process is then killed
+(SIGKILL) with a checkpoint still draining.
+
+A run through the tier trains bit for bit as one without it and leaves its local folder
+empty. A job killed while a checkpoint drains resumes from the newest durable one, bitwise,
+saying in one line that the draining one was lost with its node; on the same node, the
+next job drains the local copy first. A local folder that is full makes checkpoints go
+straight to the run directory, in one line."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from helpers import RANDOM, TINY, assert_same_run, cli_env, run_cli
+
+from dmltrain.checkpoint.tiers import local_folder
+
+ARGS = [*TINY, *RANDOM, "--checkpoint-every-steps", "4"]
+
+
+@contextmanager
+def read_only(folder: Path):
+    """``folder`` read-only (a bind mount over itself) inside the block."""
+    mounted = subprocess.run(["mount", "--bind", str(folder), str(folder)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot bind-mount here: {mounted.stderr.decode().strip()}")
+    try:
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(folder)], check=True)
+        yield
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def killed_while_draining(tmp_path: Path, run: Path, local: Path, kill: bool = True) -> str:
+    """A run through the tier whose checkpoint folder turns read-only once its first
+    checkpoint is durable; killed (SIGKILL) once the next one is draining (else the folder
+    turns writable again and the run goes on to its end). Its stderr."""
+    command = [sys.executable, "-m", "dmltrain", *ARGS, "--step-sleep", "0.05",
+               "--local-checkpoint-dir", str(local), "--run-dir", str(run)]  # fmt: skip
+    errors = tmp_path / "stderr.txt"
+    with open(errors, "w") as err:
+        process = subprocess.Popen(command, cwd=tmp_path, env=cli_env(), stderr=err,
+                                   stdout=subprocess.DEVNULL)  # fmt: skip
+        try:
+            deadline = time.monotonic() + 120
+            while not (run / "checkpoints" / "latest.pt").exists():
+                assert time.monotonic() < deadline and process.poll() is None
+                time.sleep(0.01)
+            with read_only(run / "checkpoints"):
+                while "retrying" not in errors.read_text():
+                    assert time.monotonic() < deadline and process.poll() is None
+                    time.sleep(0.05)
+                if kill:
+                    process.send_signal(signal.SIGKILL)
+                    assert process.wait(30) == -signal.SIGKILL
+            assert process.wait(120) == (-signal.SIGKILL if kill else 0)
+        finally:
+            process.kill()
+            process.wait()
+    return errors.read_text()
+
+
+def test_the_tier_trains_as_the_run_directory_alone_and_leaves_nothing_local(tmp_path):
+    plain = run_cli(*ARGS, "--run-dir", "plain", cwd=tmp_path)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    tiered = run_cli(*ARGS, "--local-checkpoint-dir", "local", "--run-dir", "tiered",
+                     cwd=tmp_path)  # fmt: skip
+    assert tiered.returncode == 0, tiered.stderr[-3000:]
+    assert_same_run(tmp_path / "plain", tmp_path / "tiered")
+    names = sorted(p.name for p in (tmp_path / "tiered" / "checkpoints").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "plain" / "checkpoints").iterdir())
+    assert (tmp_path / "tiered/checkpoints/latest.pt").resolve().name == "ckpt-000003-00000036.pt"
+    folder = local_folder(tmp_path / "local", tmp_path / "tiered")
+    assert folder.is_dir() and not list(folder.iterdir())  # only what still drains
+    assert not list((tmp_path / "tiered").glob(".draining-*"))
+
+
+def test_a_drain_that_fails_is_said_and_retried_until_it_is_durable(tmp_path):
+    whole = run_cli(*ARGS, "--run-dir", "whole", cwd=tmp_path)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    run, local = tmp_path / "run", tmp_path / "local"
+    said = killed_while_draining(tmp_path, run, local, kill=False)
+    assert said.count("(Read-only file system); retrying") == 1, said[-3000:]
+    assert "WARNING: checkpoint ckpt-000001-00000008.pt drained to" in said, said[-3000:]
+    assert (run / "checkpoints" / "latest.pt").resolve().name == "ckpt-000003-00000036.pt"
+    assert not list(local_folder(local, run).iterdir())
+    assert_same_run(tmp_path / "whole", run)
+
+
+def test_a_node_lost_while_a_checkpoint_drains_resumes_from_the_last_durable_one(tmp_path):
+    whole = run_cli(*ARGS, "--run-dir", "whole", cwd=tmp_path)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    run, local = tmp_path / "run", tmp_path / "local"
+    said = killed_while_draining(tmp_path, run, local)
+    (line,) = [x for x in said.splitlines() if "retrying" in x]
+    assert "draining checkpoint ckpt-000001-00000008.pt from" in line, line
+    assert "(Read-only file system); retrying; the newest durable one is" in line, line
+    durable = (run / "checkpoints" / "latest.pt").resolve().name
+    assert durable == "ckpt-000001-00000004.pt"
+    for stale in local.iterdir():  # the node and its local folder are gone
+        for file in stale.iterdir():
+            file.unlink()
+    again = run_cli(*ARGS, "--local-checkpoint-dir", str(local), "--run-dir", str(run),
+                    cwd=tmp_path)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    lost = [x for x in again.stderr.splitlines() if "is lost with that node" in x]
+    assert lost == [
+        f"WARNING: checkpoint ckpt-000001-00000008.pt was still draining from "
+        f"{os.uname().nodename}'s local folder when the last job ended and is lost with that "
+        "node; going on from the newest durable one, ckpt-000001-00000004.pt"
+    ], again.stderr[-3000:]
+    assert f"resuming from {run}/checkpoints/ckpt-000001-00000004.pt" in again.stdout
+    assert_same_run(tmp_path / "whole", run)
+
+
+def test_on_the_same_node_the_next_job_drains_what_was_left_and_goes_on_from_it(tmp_path):
+    whole = run_cli(*ARGS, "--run-dir", "whole", cwd=tmp_path)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    run, local = tmp_path / "run", tmp_path / "local"
+    killed_while_draining(tmp_path, run, local)
+    left = sorted(p.name.rsplit(".", 1)[0] for p in local_folder(local, run).iterdir())
+    assert left and left[0] == "ckpt-000001-00000008.pt", left
+    again = run_cli(*ARGS, "--local-checkpoint-dir", str(local), "--run-dir", str(run),
+                    cwd=tmp_path)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "is lost" not in again.stderr
+    assert f"resuming from {run}/checkpoints/{left[-1]}" in again.stdout
+    assert_same_run(tmp_path / "whole", run)
+
+
+def test_a_full_local_folder_writes_straight_to_the_run_directory(tmp_path, small_disk):
+    plain = run_cli(*ARGS, "--run-dir", "plain", cwd=tmp_path)
+    assert plain.returncode == 0, plain.stderr[-3000:]
+    with open(small_disk / "filler", "wb") as filler:  # the node's local disk, full
+        os.posix_fallocate(filler.fileno(), 0, os.statvfs(small_disk).f_bavail * 4096 - 4096)
+    tiered = run_cli(*ARGS, "--local-checkpoint-dir", str(small_disk), "--run-dir", "tiered",
+                     cwd=tmp_path)  # fmt: skip
+    assert tiered.returncode == 0, tiered.stderr[-3000:]
+    full = [x for x in tiered.stderr.splitlines() if "local checkpoint folder is full" in x]
+    assert len(full) == 1 and "checkpoints go straight to" in full[0], tiered.stderr[-3000:]
+    assert_same_run(tmp_path / "plain", tmp_path / "tiered")
