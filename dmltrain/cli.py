@@ -71,10 +71,25 @@ def _add_consolidate(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _records_of(run_dir: str) -> Path:
+    """A run directory's records: a local folder; of a run in object storage, its records
+    taken down from the store into its local folder (``objects.mirror``)."""
+    from dmltrain.checkpoint import objects
+
+    if not objects.is_uri(run_dir):
+        return Path(objects.local(run_dir))
+    folder = objects.mirror(run_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    problem = objects.unreachable(run_dir) or objects.fetch_records(run_dir, folder, every=True)
+    if problem is not None:
+        raise UserError(problem)
+    return folder
+
+
 def _mlflow_sync(args: argparse.Namespace) -> int:
     from dmltrain.features.mlflow_tracker import sync
 
-    sync(Path(args.run_dir), args.to, print)
+    sync(_records_of(args.run_dir), args.to, print)
     return 0
 
 
@@ -90,7 +105,7 @@ def _add_mlflow_sync(parser: argparse.ArgumentParser) -> None:
 def _plot(args: argparse.Namespace) -> int:
     from dmltrain.tools.plot import plot_run
 
-    written = plot_run(Path(args.run_dir), Path(args.output) if args.output else None)
+    written = plot_run(_records_of(args.run_dir), Path(args.output) if args.output else None)
     print(f"dmltrain: wrote {written}")
     return 0
 

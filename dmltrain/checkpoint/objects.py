@@ -296,16 +296,17 @@ class ObjectStore(CheckpointDir):
                 ) from None
 
 
-def fetch_records(uri: str, records: Path) -> str | None:
+def fetch_records(uri: str, records: Path, every: bool = False) -> str | None:
     """An earlier job's records, from the store into the local folder where it lacks them
-    (a job on another machine goes on writing them); why they could not be, or None."""
+    (a job on another machine goes on writing them), or ``every`` one (to read them); why
+    they could not be, or None."""
     fs, path = filesystem(uri)
     try:
         fs.invalidate_cache(path)
         found = fs.ls(path, detail=True)
         for entry in found:
             name = str(entry["name"]).rsplit("/", 1)[-1]
-            if entry.get("type") == "file" and not (records / name).exists():
+            if entry.get("type") == "file" and (every or not (records / name).exists()):
                 fs.get_file(str(entry["name"]), str(records / name))
     except FileNotFoundError:  # a new run
         return None

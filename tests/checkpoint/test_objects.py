@@ -135,7 +135,7 @@ def test_a_wrong_bucket_missing_credentials_and_shards_are_one_line(s3, tmp_path
     assert not os.path.exists(tmp_path / "s3:")  # a URI is never a local folder
 
 
-def test_weights_load_and_evaluate_from_a_uri_and_file_uris_are_local_paths(s3, tmp_path):
+def test_weights_evaluation_and_plots_from_a_uri_and_file_uris_are_local_paths(s3, tmp_path):
     env, _, _ = s3
     first = run_cli(*TINY, "--epochs", "1", "--run-dir", "s3://bucket/source", cwd=tmp_path, **env)
     assert first.returncode == 0, first.stderr[-3000:]
@@ -150,3 +150,8 @@ def test_weights_load_and_evaluate_from_a_uri_and_file_uris_are_local_paths(s3, 
     metrics = json.loads((tmp_path / "scored" / "eval_metrics.json").read_text())
     log = (tmp_path / mirror("s3://bucket/source") / "training_log.csv").read_text()
     assert float(log.splitlines()[1].split(",")[3]) == metrics["val_loss"]  # its weights
+    elsewhere = tmp_path / "elsewhere"  # another machine: the records come from the store
+    elsewhere.mkdir()
+    plotted = run_cli("plot", "s3://bucket/source", cwd=elsewhere, **env)
+    assert plotted.returncode == 0, plotted.stderr[-3000:]
+    assert (elsewhere / mirror("s3://bucket/source") / "training_curves.png").is_file()

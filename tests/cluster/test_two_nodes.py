@@ -7,6 +7,7 @@ import contextlib
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -341,13 +342,60 @@ def command_of(pid: int) -> str:
     return ""
 
 
-def kill_node2() -> None:
-    """Every process in node2's namespace but the cluster's own daemons (later tests use
-    them): as a node that fails."""
-    for pid in namespace_pids("dmln2"):
+def kill_node2(node: int = 2) -> None:
+    """Every process in the node's namespace but the cluster's own daemons (later tests
+    use them): as a node that fails."""
+    daemons = ("slurmd", "slurmstepd", "slurmctld", "munged")
+    for pid in namespace_pids(f"dmln{node}"):
         with contextlib.suppress(OSError):
-            if Path(f"/proc/{pid}/comm").read_text().strip() not in ("slurmd", "slurmstepd"):
+            if Path(f"/proc/{pid}/comm").read_text().strip() not in daemons:
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_node1_lost_while_a_checkpoint_drains_resumes_from_the_last_durable_one(
+    two_nodes, tiny_reference, tmp_path
+):
+    """--local-checkpoint-dir, each node its own folder: rank 0 (node1) writes each
+    checkpoint there and drains it to the shared run directory. Once step 4's is durable,
+    the shared checkpoint folder turns read-only (a bind mount), so step 8's drain fails
+    and waits; then every process on node1 is killed, and its folder goes with it. The run
+    started again says in one line that step 8's checkpoint was lost with node1, resumes
+    from step 4's, and ends bitwise equal to a run never interrupted."""
+    run = tmp_path / "run"
+    local = tmp_path / "node1-local"
+    args = [*LOST, "--local-checkpoint-dir", str(local)]
+    procs = start_on_nodes(args, run)
+    folder = run / "checkpoints"
+    try:
+        deadline = time.monotonic() + 120
+        while not (folder / "latest.pt").exists():  # step 4's (steps take 0.2 s)
+            assert time.monotonic() < deadline, "no checkpoint became durable"
+            time.sleep(0.01)
+        subprocess.run(["mount", "--bind", str(folder), str(folder)], check=True)
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(folder)], check=True)
+        assert procs[0].stderr is not None
+        for line in procs[0].stderr:
+            if "retrying" in line:
+                assert "draining checkpoint ckpt-000001-00000008.pt from" in line, line
+                break
+        kill_node2(node=1)
+        code1 = ends(procs[1:], 20 + 30)[0][0]
+    finally:
+        subprocess.run(["umount", str(folder)], check=False)
+        for proc in procs:
+            proc.kill()
+    assert code1 == 5
+    assert (folder / "latest.pt").resolve().name == "ckpt-000001-00000004.pt"
+    shutil.rmtree(local)  # node1's local disk is gone with it
+    results = ends(start_on_nodes(args, run), 300)
+    assert [code for code, _, _ in results] == [0, 0], results[0][2][-2000:]
+    assert (
+        "WARNING: checkpoint ckpt-000001-00000008.pt was still draining from node1's local "
+        "folder when the last job ended and is lost with that node; going on from the newest "
+        "durable one, ckpt-000001-00000004.pt"
+    ) in results[0][2]
+    assert f"dmltrain: resuming from {folder}/ckpt-000001-00000004.pt" in results[0][1]
+    assert_same_run(tiny_reference, run)
 
 
 def test_a_lost_node_of_four_ranks_is_named_among_eight(two_nodes, tmp_path):
