@@ -5,13 +5,14 @@ node-local tier (``--local-checkpoint-dir``), and how fast the tier drains.
     python benchmarks/checkpoint_tiers.py --quick    # 64 MiB
 
 Here the run directory is on the machine's disk and the local tier in /dev/shm (memory),
-as a node's NVMe stands before a shared file system. Full checkpoints: rank 0 writes one
-file (the tier takes no sharded ones yet). The state's tensors are mapped from a sparse
-file, so a 10 GiB state costs page cache, not the process's memory.
+as a node's NVMe stands before a shared file system. Both kinds of checkpoint: a full one
+(one file, rank 0's) and a sharded one (torch.distributed.checkpoint's files, one process
+here). The state's tensors are mapped from a sparse file, so a 10 GiB state costs page
+cache, not the process's memory.
 
-Contenders for each size, one after the other: ``dd`` to the run directory's disk (fsync:
-the disk's rate), dmltrain's save straight there (fsync, rename, links), and the save
-through the tier (the loop waits for the local write; the drain runs after).
+Contenders for each size and kind, one after the other: ``dd`` to the run directory's
+disk (fsync: the disk's rate), dmltrain's save straight there (fsync, rename, links), and
+the save through the tier (the loop waits for the local write; the drain runs after).
 """
 
 import argparse
@@ -45,7 +46,14 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def measure(size: int, shared: Path, local: Path) -> dict[str, float]:
+def save(store: CheckpointDir, state: dict, sharded: bool) -> None:
+    if sharded:
+        store.save_sharded(state, {"step": 1}, 1, 1, False, lambda: None)
+    else:
+        store.save(state, 1, 1, best=False)
+
+
+def measure(size: int, shared: Path, local: Path, sharded: bool) -> dict[str, float]:
     state = make_state(shared / "backing.bin", size)
     dd = timed(
         lambda: subprocess.run(
@@ -56,11 +64,11 @@ def measure(size: int, shared: Path, local: Path) -> dict[str, float]:
     )  # fmt: skip
     (shared / "dd.bin").unlink()
     straight = CheckpointDir(shared / "straight", keep_last=1)
-    blocked_straight = timed(lambda: straight.save(state, 1, 1, best=False))
+    blocked_straight = timed(lambda: save(straight, state, sharded))
     shutil.rmtree(shared / "straight")
     tier = TieredDir(shared / "tiered", local, keep_last=1, warn=print)
     began = time.perf_counter()
-    blocked_tier = timed(lambda: tier.save(state, 1, 1, best=False))
+    blocked_tier = timed(lambda: save(tier, state, sharded))
     tier.settle()
     drained = time.perf_counter() - began - blocked_tier
     shutil.rmtree(shared / "tiered")
@@ -80,23 +88,24 @@ def main(argv: list[str] | None = None) -> dict:
     lines = [
         "checkpoint tiers: one full checkpoint; the run directory on the disk, the local "
         f"tier in {args.local}",
-        "| state | dd to the disk (s) | save straight (s) | save through the tier: "
-        "blocking (s) | its drain (s) | drain vs dd rate | blocking vs straight |",
-        "|---|---|---|---|---|---|---|",
+        "| state | checkpoint | dd to the disk (s) | save straight (s) | save through the "
+        "tier: blocking (s) | its drain (s) | drain vs dd rate | blocking vs straight |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     ratios = {}
     try:
         for size in sizes:
-            t = measure(size, shared, local)
-            gib = size / 2**30
-            lines.append(
-                f"| {gib:g} GiB | {t['dd']:.2f} | {t['straight']:.2f} | {t['tier']:.2f} | "
-                f"{t['drain']:.2f} | {t['dd'] / t['drain']:.2f}x | "
-                f"{t['tier'] / t['straight']:.2f}x |"
-            )
-            ratios[f"checkpoint tiers {gib:g} GiB: blocking, tier / straight"] = (
-                t["tier"] / t["straight"]
-            )
+            for sharded in (False, True):
+                t = measure(size, shared, local, sharded)
+                gib, kind = size / 2**30, "sharded" if sharded else "full"
+                lines.append(
+                    f"| {gib:g} GiB | {kind} | {t['dd']:.2f} | {t['straight']:.2f} | "
+                    f"{t['tier']:.2f} | {t['drain']:.2f} | {t['dd'] / t['drain']:.2f}x | "
+                    f"{t['tier'] / t['straight']:.2f}x |"
+                )
+                ratios[f"checkpoint tiers {gib:g} GiB {kind}: blocking, tier / straight"] = (
+                    t["tier"] / t["straight"]
+                )
     finally:
         shutil.rmtree(shared, ignore_errors=True)
         shutil.rmtree(local, ignore_errors=True)

@@ -271,9 +271,10 @@ class ObjectStore(CheckpointDir):
     def read_shards(self, location: str, shards: dict[str, Any], index: Any) -> None:
         raise UserError(f"{location} is sharded: copy it to a file system to load it")
 
-    def settle(self) -> None:
-        """As the job ends: the records copied (a failure raises)."""
-        self.keep_records(must=True)
+    def settle(self, main: bool = True, failed: bool = False) -> None:
+        """As the job ends, rank 0: the records copied (a failure raises)."""
+        if main:
+            self.keep_records(must=True)
 
     def keep_records(self, must: bool = True) -> None:
         """Copy the run's records (the local folder's files) that changed since the last

@@ -312,9 +312,10 @@ class CheckpointStore(Protocol):
         """Why sharded checkpoints (torch.distributed.checkpoint) cannot go here, or None."""
         ...
 
-    def settle(self) -> None:
-        """Rank 0, as the job ends: what is still in flight made durable (a drain from a
-        node-local folder, the records copied to a remote store)."""
+    def settle(self, main: bool = True, failed: bool = False) -> None:
+        """Every rank, as the job ends (``main``: rank 0; ``failed``: the job failed, a
+        peer may be gone): what is still in flight made durable (a drain from a node-local
+        folder, the records copied to a remote store)."""
         ...
 
 
@@ -341,7 +342,7 @@ class CheckpointDir:
     def shards_problem(self) -> str | None:
         return None
 
-    def settle(self) -> None:
+    def settle(self, main: bool = True, failed: bool = False) -> None:
         """Everything is in the run directory already."""
 
     def holds(self, epoch: int, global_step: int, sharded: bool) -> bool:

@@ -278,8 +278,12 @@ def _restore(run: Run, restoring: CheckpointConfig, saved: Saved, plain: dict[st
             )
         store = objects.ObjectStore(cfg.run_dir, cfg.keep_last, run.run_dir, cfg.async_checkpoint)
     elif cfg.local_checkpoint_dir:  # a node-local tier drained to the run directory
-        local = tiers.local_folder(Path(cfg.local_checkpoint_dir), run.run_dir)
-        store = tiers.TieredDir(shared, local, cfg.keep_last, trainer.warn, cfg.async_checkpoint)
+        dist = trainer.dist
+        local = tiers.local_folder(Path(cfg.local_checkpoint_dir), run.run_dir, dist.rank)
+        store = tiers.TieredDir(
+            shared, local, cfg.keep_last, trainer.warn, cfg.async_checkpoint, dist.rank,
+            dist.world_size,
+        )  # fmt: skip
     else:
         store = CheckpointDir(shared, cfg.keep_last, cfg.async_checkpoint)
     run.checkpointer = Checkpointer(

@@ -44,7 +44,7 @@ def fit(run: Run) -> list[dict[str, Any]]:
     except BaseException as exc:
         _close(run, exc)
         _record_outcome(run, exc)
-        _settle(run)
+        _settle(run, failed=not isinstance(exc, StopForRequeue))
         raise
     _record_outcome(run, None)  # first: the training is done whatever on_close does
     _close(run, None)
@@ -52,12 +52,12 @@ def fit(run: Run) -> list[dict[str, Any]]:
     return rows
 
 
-def _settle(run: Run) -> None:
-    """Rank 0, last: what the store has in flight made durable (a drain from the node-local
-    folder, the records copied to object storage); a failure is a warning."""
-    if run.trainer.dist.is_main and run.made("checkpointer"):
+def _settle(run: Run, failed: bool = False) -> None:
+    """Last, every rank: what the store has in flight made durable (a drain from the
+    node-local folder, the records copied to object storage); a failure is a warning."""
+    if run.made("checkpointer"):
         try:
-            run.checkpointer.store.settle()
+            run.checkpointer.store.settle(run.trainer.dist.is_main, failed)
         except UserError as exc:
             run.trainer.warn(str(exc))
 

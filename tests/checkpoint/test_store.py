@@ -61,7 +61,7 @@ class MemoryStore:
     def shards_problem(self):
         return "the memory store keeps full checkpoints"
 
-    def settle(self):
+    def settle(self, main=True, failed=False):
         pass  # nothing in flight
 
 

@@ -11,6 +11,7 @@ next job drains the local copy first. A local folder that is full makes checkpoi
 straight to the run directory, in one line."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,19 +40,23 @@ def read_only(folder: Path):
         subprocess.run(["umount", str(folder)], check=True)
 
 
-def killed_while_draining(tmp_path: Path, run: Path, local: Path, kill: bool = True) -> str:
+def killed_while_draining(
+    tmp_path: Path, run: Path, local: Path, kill: bool = True, args: list[str] = ARGS
+) -> str:
     """A run through the tier whose checkpoint folder turns read-only once its first
-    checkpoint is durable; killed (SIGKILL) once the next one is draining (else the folder
-    turns writable again and the run goes on to its end). Its stderr."""
-    command = [sys.executable, "-m", "dmltrain", *ARGS, "--step-sleep", "0.05",
+    checkpoint is durable; killed (SIGKILL, every process of it) once the next one is
+    draining (else the folder turns writable again and the run goes on to its end). Its
+    stderr."""
+    command = [sys.executable, "-m", "dmltrain", *args, "--step-sleep", "0.05",
                "--local-checkpoint-dir", str(local), "--run-dir", str(run)]  # fmt: skip
+    latest = "latest.dcp" if "fsdp" in args else "latest.pt"
     errors = tmp_path / "stderr.txt"
     with open(errors, "w") as err:
         process = subprocess.Popen(command, cwd=tmp_path, env=cli_env(), stderr=err,
-                                   stdout=subprocess.DEVNULL)  # fmt: skip
+                                   stdout=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
         try:
             deadline = time.monotonic() + 120
-            while not (run / "checkpoints" / "latest.pt").exists():
+            while not (run / "checkpoints" / latest).exists():
                 assert time.monotonic() < deadline and process.poll() is None
                 time.sleep(0.01)
             with read_only(run / "checkpoints"):
@@ -59,7 +64,7 @@ def killed_while_draining(tmp_path: Path, run: Path, local: Path, kill: bool = T
                     assert time.monotonic() < deadline and process.poll() is None
                     time.sleep(0.05)
                 if kill:
-                    process.send_signal(signal.SIGKILL)
+                    os.killpg(process.pid, signal.SIGKILL)
                     assert process.wait(30) == -signal.SIGKILL
             assert process.wait(120) == (-signal.SIGKILL if kill else 0)
         finally:
@@ -105,9 +110,7 @@ def test_a_node_lost_while_a_checkpoint_drains_resumes_from_the_last_durable_one
     assert "(Read-only file system); retrying; the newest durable one is" in line, line
     durable = (run / "checkpoints" / "latest.pt").resolve().name
     assert durable == "ckpt-000001-00000004.pt"
-    for stale in local.iterdir():  # the node and its local folder are gone
-        for file in stale.iterdir():
-            file.unlink()
+    shutil.rmtree(local)  # the node and its local folder are gone
     again = run_cli(*ARGS, "--local-checkpoint-dir", str(local), "--run-dir", str(run),
                     cwd=tmp_path)  # fmt: skip
     assert again.returncode == 0, again.stderr[-3000:]
@@ -144,6 +147,44 @@ def test_a_full_local_folder_writes_straight_to_the_run_directory(tmp_path, smal
     tiered = run_cli(*ARGS, "--local-checkpoint-dir", str(small_disk), "--run-dir", "tiered",
                      cwd=tmp_path)  # fmt: skip
     assert tiered.returncode == 0, tiered.stderr[-3000:]
-    full = [x for x in tiered.stderr.splitlines() if "local checkpoint folder is full" in x]
-    assert len(full) == 1 and "checkpoints go straight to" in full[0], tiered.stderr[-3000:]
+    full = [x for x in tiered.stderr.splitlines() if "checkpoints go straight to" in x]
+    assert len(full) == 1, tiered.stderr[-3000:]
+    assert "no space left" in full[0] and "until the local checkpoint folder can take them" \
+        in full[0], full  # fmt: skip
     assert_same_run(tmp_path / "plain", tmp_path / "tiered")
+
+
+FSDP = [*ARGS, "--nprocs", "2", "--strategy", "fsdp"]  # 6 steps an epoch
+
+
+def test_sharded_checkpoints_drain_each_ranks_shards_and_a_lost_one_is_said(tmp_path):
+    """FSDP on 2 processes: each rank writes its shards to its local folder and drains
+    them; rank 0 publishes once both are in. A run killed while the epoch's checkpoint
+    (step 6) drains says, when started again, that it is lost, and resumes from step 4's;
+    both end bitwise equal to a run with no tier."""
+    whole = run_cli(*FSDP, "--run-dir", "whole", cwd=tmp_path)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    through = run_cli(*FSDP, "--local-checkpoint-dir", "local", "--run-dir", "through",
+                      cwd=tmp_path)  # fmt: skip
+    assert through.returncode == 0, through.stderr[-3000:]
+    assert_same_run(tmp_path / "whole", tmp_path / "through")
+    latest = (tmp_path / "through" / "checkpoints" / "latest.dcp").resolve()
+    assert sorted(p.name for p in latest.iterdir()) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "trainer.pt"]  # fmt: skip
+    assert not [p for p in (tmp_path / "local").rglob("*") if p.is_file()]
+    run, local = tmp_path / "run", tmp_path / "local-killed"
+    said = killed_while_draining(tmp_path, run, local, args=FSDP)
+    assert "draining checkpoint ckpt-000001-00000006.dcp from" in said, said[-3000:]
+    assert (run / "checkpoints" / "latest.dcp").resolve().name == "ckpt-000001-00000004.dcp"
+    shutil.rmtree(local)  # the nodes' local folders are gone
+    again = run_cli(*FSDP, "--local-checkpoint-dir", str(local), "--run-dir", str(run),
+                    cwd=tmp_path)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (
+        "WARNING: checkpoint ckpt-000001-00000006.dcp was still draining from the ranks' local "
+        "folders when the last job ended (parts in from rank(s) none) and is lost; going on "
+        "from the newest durable one, ckpt-000001-00000004.dcp"
+    ) in again.stderr, again.stderr[-3000:]
+    assert "resuming from" in again.stdout and "ckpt-000001-00000004.dcp" in again.stdout
+    assert_same_run(tmp_path / "whole", run)
+    assert not list((run / "checkpoints").glob(".*"))  # no gathering folder left

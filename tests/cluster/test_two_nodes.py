@@ -357,10 +357,10 @@ def test_node1_lost_while_a_checkpoint_drains_resumes_from_the_last_durable_one(
 ):
     """--local-checkpoint-dir, each node its own folder: rank 0 (node1) writes each
     checkpoint there and drains it to the shared run directory. Once step 4's is durable,
-    the shared checkpoint folder turns read-only (a bind mount), so step 8's drain fails
-    and waits; then every process on node1 is killed, and its folder goes with it. The run
-    started again says in one line that step 8's checkpoint was lost with node1, resumes
-    from step 4's, and ends bitwise equal to a run never interrupted."""
+    the shared checkpoint folder turns read-only (a bind mount), so the epoch's (step 6)
+    fails to drain and waits; then every process on node1 is killed, and its folder goes
+    with it. The run started again says in one line that step 6's checkpoint was lost with
+    node1, resumes from step 4's, and ends bitwise equal to a run never interrupted."""
     run = tmp_path / "run"
     local = tmp_path / "node1-local"
     args = [*LOST, "--local-checkpoint-dir", str(local)]
@@ -376,7 +376,7 @@ def test_node1_lost_while_a_checkpoint_drains_resumes_from_the_last_durable_one(
         assert procs[0].stderr is not None
         for line in procs[0].stderr:
             if "retrying" in line:
-                assert "draining checkpoint ckpt-000001-00000008.pt from" in line, line
+                assert "draining checkpoint ckpt-000001-00000006.pt from" in line, line
                 break
         kill_node2(node=1)
         code1 = ends(procs[1:], 20 + 30)[0][0]
@@ -390,12 +390,55 @@ def test_node1_lost_while_a_checkpoint_drains_resumes_from_the_last_durable_one(
     results = ends(start_on_nodes(args, run), 300)
     assert [code for code, _, _ in results] == [0, 0], results[0][2][-2000:]
     assert (
-        "WARNING: checkpoint ckpt-000001-00000008.pt was still draining from node1's local "
+        "WARNING: checkpoint ckpt-000001-00000006.pt was still draining from node1's local "
         "folder when the last job ended and is lost with that node; going on from the newest "
         "durable one, ckpt-000001-00000004.pt"
     ) in results[0][2]
     assert f"dmltrain: resuming from {folder}/ckpt-000001-00000004.pt" in results[0][1]
     assert_same_run(tiny_reference, run)
+
+
+def test_node2_lost_while_its_shards_drain_resumes_from_the_last_durable_one(two_nodes, tmp_path):
+    """FSDP through --local-checkpoint-dir, each node its own folder: each rank writes its
+    shards there and drains them; rank 0 publishes once both are in. Once step 4's is
+    durable the shared checkpoint folder turns read-only, so the epoch's (step 6) cannot
+    drain; then every process on node2 is killed. Rank 0 stops (status 5), and the run
+    started again says the checkpoint was lost and ends bitwise equal to FSDP on one host."""
+    sharded = [*LOST, "--strategy", "fsdp"]
+    reference = run_cli(*sharded, "--nprocs", "2", "--run-dir", "one-host", cwd=tmp_path)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    run = tmp_path / "run"
+    args = [*sharded, "--local-checkpoint-dir", str(tmp_path / "local")]
+    procs = start_on_nodes(args, run)
+    folder = run / "checkpoints"
+    try:
+        deadline = time.monotonic() + 120
+        while not (folder / "latest.dcp").exists():  # step 4's (steps take 0.2 s)
+            assert time.monotonic() < deadline, "no checkpoint became durable"
+            time.sleep(0.01)
+        subprocess.run(["mount", "--bind", str(folder), str(folder)], check=True)
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(folder)], check=True)
+        assert procs[0].stderr is not None
+        for line in procs[0].stderr:
+            if "retrying" in line:
+                assert "draining checkpoint ckpt-000001-00000006.dcp from" in line, line
+                break
+        kill_node2()
+        code = ends(procs[:1], 20 + 30 + 40)[0][0]  # and up to 30 s for its own drain
+    finally:
+        subprocess.run(["umount", str(folder)], check=False)
+        for proc in procs:
+            proc.kill()
+    assert code == 5
+    assert (folder / "latest.dcp").resolve().name == "ckpt-000001-00000004.dcp"
+    results = ends(start_on_nodes(args, run), 300)
+    assert [code for code, _, _ in results] == [0, 0], results[0][2][-2000:]
+    assert (
+        "checkpoint ckpt-000001-00000006.dcp was still draining from the ranks' local folders "
+        "when the last job ended (parts in from rank(s) none) and is lost; going on from the "
+        "newest durable one, ckpt-000001-00000004.dcp"
+    ) in results[0][2]
+    assert_same_run(tmp_path / "one-host", run)
 
 
 def test_a_lost_node_of_four_ranks_is_named_among_eight(two_nodes, tmp_path):
