@@ -352,6 +352,34 @@ def kill_node2(node: int = 2) -> None:
                 os.kill(pid, signal.SIGKILL)
 
 
+def lost_while_draining(args: list[str], run: Path, draining: str, node: int) -> int:
+    """``args`` on both nodes through the local tier; once the first checkpoint is durable
+    the shared checkpoint folder turns read-only (a bind mount), and once rank 0 says the
+    ``draining`` one cannot drain, every process on ``node`` is killed. The other node's
+    rank's exit status (it may wait 30 s more for its own drain)."""
+    procs = start_on_nodes(args, run)
+    folder = run / "checkpoints"
+    latest = folder / ("latest.dcp" if draining.endswith(".dcp") else "latest.pt")
+    try:
+        deadline = time.monotonic() + 120
+        while not latest.exists():  # step 4's (steps take 0.2 s)
+            assert time.monotonic() < deadline, "no checkpoint became durable"
+            time.sleep(0.01)
+        subprocess.run(["mount", "--bind", str(folder), str(folder)], check=True)
+        subprocess.run(["mount", "-o", "remount,ro,bind", str(folder)], check=True)
+        assert procs[0].stderr is not None
+        for line in procs[0].stderr:
+            if "retrying" in line:
+                assert f"draining checkpoint {draining} from" in line, line
+                break
+        kill_node2(node=node)
+        return ends(procs[2 - node : 3 - node], 20 + 30 + 40)[0][0]
+    finally:
+        subprocess.run(["umount", str(folder)], check=False)
+        for proc in procs:
+            proc.kill()
+
+
 def test_node1_lost_while_a_checkpoint_drains_resumes_from_the_last_durable_one(
     two_nodes, tiny_reference, tmp_path
 ):
@@ -364,27 +392,8 @@ def test_node1_lost_while_a_checkpoint_drains_resumes_from_the_last_durable_one(
     run = tmp_path / "run"
     local = tmp_path / "node1-local"
     args = [*LOST, "--local-checkpoint-dir", str(local)]
-    procs = start_on_nodes(args, run)
     folder = run / "checkpoints"
-    try:
-        deadline = time.monotonic() + 120
-        while not (folder / "latest.pt").exists():  # step 4's (steps take 0.2 s)
-            assert time.monotonic() < deadline, "no checkpoint became durable"
-            time.sleep(0.01)
-        subprocess.run(["mount", "--bind", str(folder), str(folder)], check=True)
-        subprocess.run(["mount", "-o", "remount,ro,bind", str(folder)], check=True)
-        assert procs[0].stderr is not None
-        for line in procs[0].stderr:
-            if "retrying" in line:
-                assert "draining checkpoint ckpt-000001-00000006.pt from" in line, line
-                break
-        kill_node2(node=1)
-        code1 = ends(procs[1:], 20 + 30)[0][0]
-    finally:
-        subprocess.run(["umount", str(folder)], check=False)
-        for proc in procs:
-            proc.kill()
-    assert code1 == 5
+    assert lost_while_draining(args, run, "ckpt-000001-00000006.pt", node=1) == 5  # rank 1's
     assert (folder / "latest.pt").resolve().name == "ckpt-000001-00000004.pt"
     shutil.rmtree(local)  # node1's local disk is gone with it
     results = ends(start_on_nodes(args, run), 300)
@@ -409,27 +418,8 @@ def test_node2_lost_while_its_shards_drain_resumes_from_the_last_durable_one(two
     assert reference.returncode == 0, reference.stderr[-3000:]
     run = tmp_path / "run"
     args = [*sharded, "--local-checkpoint-dir", str(tmp_path / "local")]
-    procs = start_on_nodes(args, run)
     folder = run / "checkpoints"
-    try:
-        deadline = time.monotonic() + 120
-        while not (folder / "latest.dcp").exists():  # step 4's (steps take 0.2 s)
-            assert time.monotonic() < deadline, "no checkpoint became durable"
-            time.sleep(0.01)
-        subprocess.run(["mount", "--bind", str(folder), str(folder)], check=True)
-        subprocess.run(["mount", "-o", "remount,ro,bind", str(folder)], check=True)
-        assert procs[0].stderr is not None
-        for line in procs[0].stderr:
-            if "retrying" in line:
-                assert "draining checkpoint ckpt-000001-00000006.dcp from" in line, line
-                break
-        kill_node2()
-        code = ends(procs[:1], 20 + 30 + 40)[0][0]  # and up to 30 s for its own drain
-    finally:
-        subprocess.run(["umount", str(folder)], check=False)
-        for proc in procs:
-            proc.kill()
-    assert code == 5
+    assert lost_while_draining(args, run, "ckpt-000001-00000006.dcp", node=2) == 5  # rank 0's
     assert (folder / "latest.dcp").resolve().name == "ckpt-000001-00000004.dcp"
     results = ends(start_on_nodes(args, run), 300)
     assert [code for code, _, _ in results] == [0, 0], results[0][2][-2000:]
