@@ -18,6 +18,7 @@ growing pauses. A local folder that is full sends the checkpoint straight to the
 directory, said once.
 """
 
+import contextlib
 import hashlib
 import json
 import os
@@ -98,11 +99,13 @@ class TieredDir(CheckpointDir):
     # ----- saving ---------------------------------------------------------------------
     def _staged(self, name: str) -> Path:
         """A new local path for this save; the first one clears what an earlier job left
-        (a resume has drained what it could by then)."""
+        (a resume has drained what it could by then). A folder that cannot be made fails
+        the write that follows, where every rank learns it."""
         self._saves += 1
         if self._saves == 1:
             shutil.rmtree(self.local, ignore_errors=True)
-        self.local.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):
+            self.local.mkdir(parents=True, exist_ok=True)
         return self.local / f"{name}.{self._saves}"
 
     def _write(self, state: dict[str, Any], epoch: int, global_step: int, best: bool) -> Path:
@@ -136,8 +139,7 @@ class TieredDir(CheckpointDir):
 
         name = checkpoint_name(epoch, global_step, SHARDED)
         staged = self._staged(name)
-        try:
-            staged.mkdir()
+        try:  # its planning makes the folder
             dcp.save(
                 shards,
                 storage_writer=dcp.FileSystemWriter(str(staged), sync_files=False),
