@@ -24,6 +24,7 @@ from torch import nn
 
 from dmltrain.checkpoint import schedules
 from dmltrain.checkpoint.handout import hand_out
+from dmltrain.checkpoint.objects import is_uri
 from dmltrain.checkpoint.stateful import ModelShaped, Positioned, Stateful
 from dmltrain.checkpoint.storage import CheckpointStore, WriteFailed
 from dmltrain.config import CheckpointConfig
@@ -628,6 +629,4 @@ class Checkpointer:
 
 def _shown(location: str) -> Path | str:
     """A checkpoint's location as ``on_load_checkpoint`` gets it: a Path, or a URI."""
-    from dmltrain.checkpoint.objects import is_uri
-
     return location if is_uri(location) else Path(location)

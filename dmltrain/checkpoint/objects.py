@@ -173,8 +173,9 @@ class ObjectStore(CheckpointDir):
     def _location(self, name: str) -> str:
         return f"{self.uri}/checkpoints/{name}"
 
-    def _names(self) -> list[str]:
-        """The checkpoints' names, newest first."""
+    def names(self) -> list[str]:
+        """The checkpoints' names, newest first (the run directory's check of an earlier
+        run reads them too)."""
         self.fs.invalidate_cache(self.root)
         try:
             found = self.fs.ls(self.root, detail=False)
@@ -202,15 +203,11 @@ class ObjectStore(CheckpointDir):
         name = self._pointer("latest")
         return None if name is None else self._location(name)
 
-    def names(self) -> list[str]:
-        """Every checkpoint object, newest first (the run directory's check of an earlier run)."""
-        return self._names()
-
     def latest_valid(self, warn: Callable[[str], None]) -> tuple[str, dict[str, Any]] | None:
         """The checkpoint ``latest`` names, else (it does not load) the newest older one
         that does; with no ``latest`` yet (killed before the first was published), the
         newest object that loads. A store whose checkpoints all fail is a UserError."""
-        pointed, names = self._pointer("latest"), self._names()
+        pointed, names = self._pointer("latest"), self.names()
         order = [n for n in names if pointed is None or n < pointed]
         if pointed is not None:
             order.insert(0, pointed)
@@ -258,7 +255,7 @@ class ObjectStore(CheckpointDir):
         if self.keep_last <= 0:
             return
         pointed, best = self._pointer("latest"), self._pointer("best")
-        published = [n for n in self._names() if pointed is not None and n <= pointed]
+        published = [n for n in self.names() if pointed is not None and n <= pointed]
         for name in published[self.keep_last :]:
             if name != best:
                 self.fs.rm_file(f"{self.root}/{name}")

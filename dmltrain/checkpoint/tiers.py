@@ -35,7 +35,6 @@ from dmltrain.checkpoint.storage import (
     FORMAT_VERSION,
     FULL,
     SHARDED,
-    SHARDED_META,
     CheckpointDir,
     WriteFailed,
     _first_failure,
@@ -211,16 +210,17 @@ class TieredDir(CheckpointDir):
         else:
             staged.unlink(missing_ok=True)
 
-    def _mark(self, name: str) -> Path:
-        """Rank 0: RUN_DIR/.draining-<name>, with this host and the local copy's path."""
+    def _mark(self, name: str, staged: Path | None) -> Path:
+        """RUN_DIR/.draining-<name>, written by rank 0: this host and, for a full checkpoint,
+        the local copy's path (the next job on this node drains it)."""
         marker = self.directory.parent / f"{MARKER}{name}"
         if self.rank == 0:
-            marker.write_text(json.dumps({"host": socket.gethostname(), "local": ""}))
+            left = {"host": socket.gethostname(), "local": str(staged or "")}
+            marker.write_text(json.dumps(left))
         return marker
 
     def _copy_and_publish(self, staged: Path, name: str, best: bool) -> None:
-        marker = self.directory.parent / f"{MARKER}{name}"
-        marker.write_text(json.dumps({"host": socket.gethostname(), "local": str(staged)}))
+        marker = self._mark(name, staged)
         self.directory.mkdir(parents=True, exist_ok=True)
         target = self.directory / name
         tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
@@ -239,13 +239,11 @@ class TieredDir(CheckpointDir):
         """A sharded checkpoint: this rank's files into the run directory's gathering
         folder for ``name`` (the save's ``number`` is every rank's alike), with a mark that
         they are in; rank 0 then waits for every rank's mark and publishes."""
-        marker = self._mark(name)
+        marker = self._mark(name, None)
         gathering = self.directory / f".{name}.{number}{GATHERING}"
         gathering.mkdir(parents=True, exist_ok=True)
         for part in sorted(staged.iterdir()):
             _copy(part, gathering / part.name)
-        if meta is not None:  # rank 0: everything but model and optimizer
-            atomic_save({"format_version": FORMAT_VERSION, **meta}, gathering / SHARDED_META)
         (gathering / f"{DRAINED}{self.rank}").touch()
         _fsync_dir(gathering)
         if self.rank != 0:
@@ -255,15 +253,8 @@ class TieredDir(CheckpointDir):
                 raise GaveUp()
         for mark in gathering.glob(f"{DRAINED}*"):
             mark.unlink()
-        target = self.directory / name
-        with self._publishing:
-            if target.exists():  # the same step saved again (a step's and its epoch's end)
-                old = target.with_name(f".{target.name}.tmp-old")
-                os.replace(target, old)
-                shutil.rmtree(old)
-            os.replace(gathering, target)
-            _fsync_dir(self.directory)
-            self._publish(target, best)
+        with self._publishing:  # trainer.pt (rank 0's meta) in, renamed into place
+            self._publish_sharded(gathering, self.directory / name, meta, best)
         marker.unlink(missing_ok=True)
 
     def _publish(self, path: Path, best: bool, prune: bool = True) -> None:
