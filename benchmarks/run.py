@@ -26,7 +26,10 @@ sys.path.insert(0, str(HERE.parent))
 from benchmarks.common import machine  # noqa: E402
 
 # Those whose quick mode still takes tens of seconds, and that have a smaller size (--smoke).
-SMOKE_SIZES = ("overhead", "startup", "scaling", "threads", "big_models", "ranks", "user_runs")
+SMOKE_SIZES = (
+    "overhead", "startup", "scaling", "threads", "big_models", "ranks", "user_runs",
+    "search_pruning",
+)  # fmt: skip
 BENCHMARKS = [
     "overhead",
     "startup",
@@ -44,6 +47,7 @@ BENCHMARKS = [
     "ranks",
     "step_counts",
     "user_runs",
+    "search_pruning",
 ]
 
 
@@ -190,6 +194,15 @@ def targets(reports: dict) -> list[tuple[str, str, str, bool]]:
                      "time vs all of it off", f"{r:.3f}x (identical runs: {low:.3f}-{high:.3f}x;"
                      f" tiny model {reports['monitor']['extra_us']:+.1f} us a step)", "<= 1.01x",
                      r <= 1.01))  # fmt: skip
+    se = reports.get("search_pruning", {})
+    if se:
+        r = se["ratios"]["search: steps trained, asha / no pruner"]
+        low, high = se["spread"]
+        rows.append((f"`dmltrain sweep mnist --search tpe --pruner asha`, {se['trials']} trials: "
+                     "steps trained vs no pruner", f"{r:.2f}x", "<= 0.50x", r <= 0.5))  # fmt: skip
+        rows.append(("... and its best val_loss vs the unpruned searches' spread over seeds",
+                     f"{se['worst_pruned_best']:.4f} vs {low:.4f}-{high:.4f}", "within",
+                     se["within_spread"]))  # fmt: skip
     co = reports.get("collectives", {}).get("model_1024_ranks_20us")
     if co:
         share, interval = co["pairwise_share"], co["pairwise_interval"]

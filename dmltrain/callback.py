@@ -21,11 +21,19 @@ global generators (``torch``, ``numpy``, ``random``): use a ``torch.Generator`` 
 import contextlib
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 from dmltrain import plugins
 from dmltrain.checkpoint.stateful import Stateful
 from dmltrain.errors import PeerLost, UserError, first_line
+
+
+class Stop(NamedTuple):
+    """Why a callback ends the run after a validation: ``outcome`` is its status in
+    ``outcome.json`` (``pruned``, ...; the job exits 0), ``why`` the line said."""
+
+    outcome: str
+    why: str
 
 
 class TrainerView(Protocol):
@@ -123,6 +131,12 @@ class Callback:
         """After a validation (at the epoch's end, and within it with --val-every-steps):
         the training log's row, ``val_*`` included."""
 
+    def should_stop(self, trainer: TrainerView, row: Mapping[str, Any]) -> Stop | None:
+        """Every rank, after ``on_validation_end``: a ``Stop`` to end the run here (saved,
+        not requeued), or None. Every rank must answer alike: decide on rank 0 and
+        broadcast it."""
+        return None
+
     def on_epoch_end(self, trainer: TrainerView, row: Mapping[str, Any]) -> None:
         """After each epoch, with its row of the training log."""
 
@@ -178,6 +192,7 @@ class Events:
         self.on_log_metrics = listeners["on_log_metrics"]
         self._validation = listeners["validation"]
         self.on_validation_end = listeners["on_validation_end"]
+        self._should_stop = listeners["should_stop"]
         self.on_epoch_end = listeners["on_epoch_end"]
         self._around_long_work = listeners["around_long_work"]
         self.on_save_checkpoint = listeners["on_save_checkpoint"]
@@ -201,6 +216,12 @@ class Events:
         for call in self._validation:
             extra.update(call(trainer, validate))
         return extra
+
+    def should_stop(self, trainer: TrainerView, row: Mapping[str, Any]) -> Stop | None:
+        """The first listener's ``Stop``; every listener is asked (each may call a
+        collective)."""
+        asked = [call(trainer, row) for call in self._should_stop]
+        return next((stop for stop in asked if stop is not None), None)
 
     @contextlib.contextmanager
     def around_long_work(self) -> Iterator[None]:

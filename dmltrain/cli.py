@@ -106,7 +106,7 @@ def _plot(args: argparse.Namespace) -> int:
     from dmltrain.tools.plot import plot_run
 
     written = plot_run(_records_of(args.run_dir), Path(args.output) if args.output else None)
-    print(f"dmltrain: wrote {written}")
+    print(f"dmltrain: wrote {', '.join(map(str, written))}")
     return 0
 
 

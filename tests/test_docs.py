@@ -228,3 +228,25 @@ def test_every_link_between_pages_resolves():
             assert linked.exists(), f"{page.name}: {target}"
             if anchor and linked.suffix == ".md":
                 assert anchor in anchors(linked.read_text()), f"{page.name}: {target}"
+
+
+def test_the_search_of_sweeps_md_runs_here_and_its_status_and_plots_follow(tmp_path):
+    """docs/sweeps.md's search with pruning, run for real on this machine at a smaller
+    size (3 trials of 1 epoch of the bundled digits, --local for the array), then its
+    status and plot lines as the page shows them."""
+    text = (DOCS / "sweeps.md").read_text()
+    block = text.split("## Searches that stop bad trials early")[1]
+    (name, body), *_ = HEREDOC.findall(block)
+    (tmp_path / name).write_text(body + "\n")
+    lines = command_lines("```bash\n" + FENCE.findall(block)[0][1] + "```")
+    sweep, status, plot = (args for args in lines if args[0] in ("sweep", "plot"))
+    smaller = {"--epochs": "1", "--val-every-steps": "20", "--trials": "3"}
+    args = [smaller.get(before, word) for before, word in zip(["", *sweep], sweep)]
+    args = args[: args.index("--max-parallel")] + ["--local", "--no-download"]
+    done = run_cli(*args, cwd=tmp_path, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("(exit status 0)") == 3, done.stdout
+    shown = run_cli(*status, cwd=tmp_path)
+    assert shown.returncode == 0 and "dmltrain sweep: best trial" in shown.stdout, shown.stdout
+    drawn = run_cli(*plot, cwd=tmp_path)
+    assert drawn.returncode == 0 and "search_history.png" in drawn.stdout, drawn.stderr

@@ -82,6 +82,13 @@ class LoopConfig:
     early_stop_min_delta: float = field(
         default=0.0, metadata={"help": "the least change of --best-metric that counts"}
     )
+    search_trial: str | None = field(
+        default=None,
+        metadata={
+            "help": "a search's trial (its trial.json, written by dmltrain sweep --search): "
+            "each validation's --best-metric is reported to it, and its pruner may end the run"
+        },
+    )
     batch_size: int = field(
         default=64,
         metadata={"help": "batch size per process (global batch = batch size x world size)"},

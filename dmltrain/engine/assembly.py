@@ -48,6 +48,7 @@ from dmltrain.features.builtin import (
 from dmltrain.features.ema import EMA
 from dmltrain.features.gradient_noise import GradientNoiseScale
 from dmltrain.features.monitor import Monitor, StepClock, peak_flops
+from dmltrain.features.search import SearchTrial
 from dmltrain.features.tracking import create_trackers
 from dmltrain.features.watchdog import Watchdog
 from dmltrain.hooks import TrainerHooks
@@ -129,10 +130,28 @@ def assemble(run: Run) -> None:
         _gradient_noise(run),
         *records,
         CompileCache(run.run_dir, trainer.warn) if loop.compile and dist.is_main else None,
+        _search_trial(run),
     ]
     run.events = Events([*(f for f in built_in if f is not None), *callbacks])
     run.checkpointer.quiet = run.events.around_long_work
     _make_step(run)  # with every listener of on_before_optimizer_step
+
+
+def _search_trial(run: Run) -> SearchTrial | None:
+    """``--search-trial``: the trial of a search this run reports to (every rank)."""
+    trainer = run.trainer
+    path = trainer.config.loop.search_trial
+    if path is None:
+        return None
+    strategy = trainer.strategy
+    return SearchTrial(
+        Path(path),
+        run.best_metric,
+        run.total_steps,
+        trainer.dist.is_main,
+        strategy.max_over_ranks,
+        strategy.broadcast_object,
+    )
 
 
 def assemble_evaluation(run: Run) -> None:

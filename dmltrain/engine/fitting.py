@@ -87,7 +87,7 @@ def _record_outcome(run: Run, exc: BaseException | None) -> None:
     refused = isinstance(exc, UserError) and not run.state.training
     if refused and rundir.holds_run(run.run_dir):
         return
-    rundir.write_outcome(run.run_dir, exc, run.state.global_step)
+    rundir.write_outcome(run.run_dir, exc, run.state.global_step, run.outcome)
 
 
 def _fit(run: Run) -> list[dict[str, Any]]:

@@ -160,7 +160,7 @@ class Loop:
         """Training means and validation make the epoch's row of the training log (the
         epoch's so far when ``partial``: a validation inside it); it is written, shown and
         tracked. Returns the row, whether it is the best so far, and why the run stops
-        early (``--early-stop-patience``) or None."""
+        early (a callback's ``Stop``, ``--early-stop-patience``) or None."""
         run, trainer = self.run, self.trainer
         s, best_metric = run.state, run.best_metric
         train = train_means(run)
@@ -182,14 +182,19 @@ class Loop:
             except NotWritten as exc:
                 trainer.warn(f"{exc}; training goes on and writes it again at the next epoch")
         run.progress.epoch_summary(row, partial)
+        asked = None
         if val:
             fire(run, run.events.on_validation_end, row)
+            asked = run.events.should_stop(trainer, row)  # a search's pruner, ...
         stop_early = run.budget.validated(row)  # counted against the best before it
         best = s.improves(row.get(best_metric), trainer.config.checkpoint.best_mode)
         run.tracker.log(row, s.global_step)
         if best:
             s.best_at = (epoch + 1, s.global_step)
             run.tracker.summary({f"best_{best_metric}": s.best_value, "best_epoch": epoch + 1})
+        if asked is not None:
+            run.outcome = asked.outcome
+            return row, best, asked.why
         return row, best, run.budget.stopped_early() if stop_early else None
 
     def _close_epoch(self, epoch: int, row: dict[str, Any]) -> None:

@@ -73,6 +73,7 @@ class Run:
     step: "OptimizerStep | ManualStep"  # one optimizer step (dmltrain.engine.step)
     events: Events  # the callbacks' listeners, built-in features first
     tracker: Tracker  # rank 0's trackers (an inactive one elsewhere)
+    outcome: str  # outcome.json's status when training ends: done, or a callback's Stop
 
     def __init__(self, trainer: "BaseTrainer") -> None:
         self.trainer = trainer
@@ -80,6 +81,7 @@ class Run:
         self.state = TrainState(trainer.device)
         self.tracker = Tracker()
         self.events = Events()
+        self.outcome = "done"
 
     def __getattr__(self, name: str) -> Any:
         """A part asked for before it is made (only then is this called)."""

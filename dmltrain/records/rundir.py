@@ -118,6 +118,15 @@ def _hold(path: Path, wait: float) -> tuple[Held, str | None]:
             return Held(None), None
 
 
+def in_use(path: Path) -> bool:
+    """Whether a running job holds the run directory ``path`` (``Held``)."""
+    if not path.is_dir():
+        return False
+    held, why = _hold(path, 0)
+    held.release()
+    return why is not None
+
+
 def problem(path: Path) -> str | None:
     """Why ``path`` cannot be the run directory (it is created here if missing), or None."""
     if path.exists() and not path.is_dir():
@@ -276,17 +285,20 @@ def alone(run_dir: Path) -> str | None:
         return None
 
 
-def write_outcome(run_dir: Path, exc: BaseException | None, global_step: int) -> None:
-    """``outcome.json``: ``done`` (no exception), ``stopped`` (to go on in a later job),
-    ``lost`` (a peer), ``nonfinite``, ``interrupted`` or ``failed``, with the message's
-    first line, the global step and the time."""
+def write_outcome(
+    run_dir: Path, exc: BaseException | None, global_step: int, ended: str = "done"
+) -> None:
+    """``outcome.json``: ``ended`` (no exception: ``done``, or a callback's ``Stop`` such
+    as ``pruned``), ``stopped`` (to go on in a later job), ``lost`` (a peer),
+    ``nonfinite``, ``interrupted`` or ``failed``, with the message's first line, the
+    global step and the time."""
     kinds = (
         (StopForRequeue, "stopped"),
         (PeerLost, "lost"),
         (NonFiniteError, "nonfinite"),
         (KeyboardInterrupt, "interrupted"),
     )
-    status = "done" if exc is None else next((k for t, k in kinds if isinstance(exc, t)), "failed")
+    status = ended if exc is None else next((k for t, k in kinds if isinstance(exc, t)), "failed")
     record = {
         "status": status,
         "message": "" if exc is None else first_line(exc),

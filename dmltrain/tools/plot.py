@@ -2,15 +2,16 @@
 and beside them, where the run wrote them: the step scalars of ``steps.csv`` by step, the
 throughput and the share of time spent waiting for data, and each rank's own time a step
 (``ranks.csv``). Of a sweep's directory (``dmltrain sweep``): every trial's validation
-curves in one figure, a panel a metric."""
+curves in one figure, a panel a metric; of a search's, Optuna's plots too (``search.plot``)."""
 
 import csv
-import json
 from pathlib import Path
 from typing import Any
 
 from dmltrain.errors import UserError
 from dmltrain.records.training_log import read_training_log
+from dmltrain.tools import search
+from dmltrain.tools.sweep import Sweep
 
 SIZE = (12.0, 4.5)  # inches; at DPI this is the PNG's size in pixels
 DPI = 100
@@ -18,10 +19,13 @@ NOT_CURVES = {"epoch", "step", "lr", "epoch_time_s", "skipped_steps", "world_siz
 BY_STEP = ("loss", "grad_norm")  # of steps.csv, when there
 
 
-def plot_run(run_dir: Path, output: Path | None = None) -> Path:
-    """Write ``training_curves.png`` (or ``output``); a UserError if there is nothing to plot."""
+def plot_run(run_dir: Path, output: Path | None = None) -> list[Path]:
+    """Write ``training_curves.png`` (or ``output``), or a sweep's figures; the files
+    written, or a UserError if there is nothing to plot."""
     if (run_dir / "sweep.json").is_file():
-        return plot_sweep(run_dir, output)
+        sweep = Sweep(run_dir)
+        curves = plot_sweep(sweep, output)
+        return [curves, *search.plot(sweep)] if sweep.searching() else [curves]
     log = run_dir / "training_log.csv"
     if not log.is_file():
         raise UserError(f"{log} does not exist: pass a run directory (--run-dir of a run)")
@@ -83,15 +87,15 @@ def plot_run(run_dir: Path, output: Path | None = None) -> Path:
         axis.grid(alpha=0.3)
         if names:
             axis.legend()
-    return _save(figure, run_dir.name, output or run_dir / "training_curves.png")
+    return [_save(figure, run_dir.name, output or run_dir / "training_curves.png")]
 
 
-def plot_sweep(sweep_dir: Path, output: Path | None = None) -> Path:
+def plot_sweep(sweep: Sweep, output: Path | None = None) -> Path:
     """``sweep_curves.png`` (or ``output``): each validation metric by epoch, a line per
     trial that has validated, labelled with its options."""
-    trials = json.loads((sweep_dir / "sweep.json").read_text())["trials"]
-    logs = {}
-    for i, options in enumerate(trials):
+    sweep_dir, logs = sweep.directory, {}
+    for i in range(sweep.count()):
+        options = sweep.options(i)
         log = sweep_dir / f"trial-{i}" / "training_log.csv"
         rows = read_training_log(log) if log.is_file() else []
         if rows:

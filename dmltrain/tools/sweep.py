@@ -20,7 +20,7 @@ import itertools
 import json
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import redirect_stderr
 from pathlib import Path
 from typing import Any
@@ -168,27 +168,64 @@ class Sweep:
         self.directory = directory
         self.file = directory / "sweep.json"
 
-    def create(self, experiment: str, fixed: list[str], trials: list[dict[str, Any]]) -> None:
-        """Write the sweep, or check that the one there is the same (a resubmission)."""
-        asked = {"experiment": experiment, "fixed": fixed, "trials": trials}
+    def create(
+        self,
+        experiment: str,
+        fixed: list[str],
+        trials: list[dict[str, Any]],
+        search: dict[str, Any] | None = None,
+    ) -> bool:
+        """Write the sweep, or check that the one there is the same (a resubmission).
+        A search (``search``: its settings and space) writes each trial's command line
+        when the trial is asked for (``write_args``). Whether the sweep was there."""
+        asked = {"experiment": experiment, "fixed": fixed, "trials": trials, **(search or {})}
         if self.file.exists():
             there = _read_json(self.file)
             if {k: there.get(k) for k in asked} != asked:
                 raise UserError(
-                    f"{self.directory} holds another sweep (other experiment, flags or trials); "
-                    "pass another --name"
+                    f"{self.directory} holds another sweep (other experiment, flags, trials or "
+                    "search); pass another --name"
                 )
-            return
+            return True
         self.directory.mkdir(parents=True, exist_ok=True)
-        group = ["--group", self.directory.name]  # the sweep's trials: one group of runs
-        group = [] if given(fixed, "--group") or given(fixed, "--wandb-group") else group
-        for i, options in enumerate(trials):
-            run = self.trial_dir(i)
-            run.mkdir(exist_ok=True)
-            command = [experiment, *fixed, *group, *flags(options), "--run-dir", str(run.resolve())]
-            (run / "args").write_text("\n".join(command) + "\n")
         self.file.write_text(json.dumps({**asked, "jobs": []}, indent=1) + "\n")
-        self.write_table()
+        for i, options in enumerate(trials):
+            self.write_args(i, options)
+        if trials:
+            self.write_table()
+        return False
+
+    def write_args(self, i: int, options: dict[str, Any], extra: Sequence[str] = ()) -> None:
+        """Trial ``i``'s ``args``: its command line, run in its own directory, the sweep's
+        trials one group of runs (``--group``)."""
+        record = self.load()
+        fixed = record["fixed"]
+        group = ["--group", self.directory.name]
+        group = [] if given(fixed, "--group") or given(fixed, "--wandb-group") else group
+        run = self.trial_dir(i)
+        run.mkdir(exist_ok=True)
+        command = [record["experiment"], *fixed, *group, *flags(options), *extra]
+        (run / "args").write_text("\n".join([*command, "--run-dir", str(run.resolve())]) + "\n")
+
+    def options(self, i: int) -> dict[str, Any]:
+        """Trial ``i``'s options: the grid's, or what the search drew ({} before)."""
+        record = self.load()
+        if "search" not in record:
+            return dict(record["trials"][i])
+        path = self.trial_dir(i) / "trial.json"
+        try:
+            return dict(json.loads(path.read_text())["params"])
+        except (OSError, ValueError, KeyError):
+            return {}
+
+    def searching(self) -> bool:
+        """Whether the sweep is a search (``dmltrain.tools.search``)."""
+        return "search" in self.load()
+
+    def count(self) -> int:
+        """How many trials the sweep runs (a search's --trials)."""
+        record = self.load()
+        return int(record["search"]["trials"]) if "search" in record else len(record["trials"])
 
     def load(self) -> dict[str, Any]:
         if not self.file.is_file():
@@ -202,11 +239,14 @@ class Sweep:
         """Trial ``i``'s command line, run in its directory where the sweep is now (a copied
         or moved sweep runs its trials in the copy)."""
         lines = (self.trial_dir(i) / "args").read_text().splitlines()
-        here = str(self.trial_dir(i).resolve())
+        here = self.trial_dir(i).resolve()
         if "--run-dir" not in lines[:-1]:
-            return [*lines, "--run-dir", here]
-        value = lines.index("--run-dir") + 1
-        return [*lines[:value], here, *lines[value + 1 :]]
+            lines += ["--run-dir", ""]
+        for flag, value in (("--run-dir", here), ("--search-trial", here / "trial.json")):
+            if flag in lines[:-1]:
+                at = lines.index(flag) + 1
+                lines[at] = str(value)
+        return lines
 
     def add_job(self, job: str) -> None:
         record = self.load()

@@ -10,6 +10,7 @@ its checkpoint) applies to each trial as to any run.
 import argparse
 import concurrent.futures
 import contextlib
+import dataclasses
 import datetime
 import shlex
 import shutil
@@ -22,9 +23,10 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from dmltrain.errors import EXIT_PEER_LOST, EXIT_REQUEUE, UserError
+from dmltrain.features.search import PRUNERS
 from dmltrain.records.files import read_status_record, status_record, write_atomic
 from dmltrain.runtime.launch import child_env, cpu_set, physical_cores, split_gpus
-from dmltrain.tools import submit
+from dmltrain.tools import search, submit
 from dmltrain.tools.sweep import Sweep, best, check_trials, expand, given, load_space
 
 
@@ -40,9 +42,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--trials",
         type=int,
         default=1,
-        help="draws of the random options ({values}, {low, high}) per grid point (default 1)",
+        help="draws of the random options ({values}, {low, high}) per grid point (default 1); "
+        "with --search, the number of trials",
     )
     sweep.add_argument("--space-seed", type=int, default=0, help="seed of those draws")
+    sweep.add_argument(
+        "--search",
+        choices=search.SAMPLERS,
+        help="ask an Optuna study for each trial's options (pip install 'dmltrain[search]')",
+    )
+    sweep.add_argument(
+        "--pruner",
+        choices=PRUNERS,
+        help="with --search: what stops a trial early at a validation (default median)",
+    )
+    sweep.add_argument(
+        "--storage",
+        help="with --search: the study's storage, a database URL or journal file (default: "
+        "the sweep's study.journal)",
+    )
+    sweep.add_argument(
+        "--retry-failed",
+        type=int,
+        default=0,
+        help="with --search: times a failed trial is run again (default 0)",
+    )
     sweep.add_argument(
         "--name", help="the sweep's directory runs/NAME (default: EXPERIMENT-sweep-TIME)"
     )
@@ -79,7 +103,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(
     args: argparse.Namespace,
     flags: Sequence[str],
-    check_flags: Callable[[list[str]], object],
+    check_flags: Callable[[list[str]], Any],
     options_of: Callable[[str], set[str]],
 ) -> int:
     """``dmltrain sweep``: ``flags`` are the experiment's; ``options_of(experiment)`` its
@@ -88,6 +112,8 @@ def run(
         return status_command(list(flags))
     if args.experiment == "task":  # inside an array task of --trials-per-task T
         return task_command(list(flags))
+    if args.experiment == "ask":  # inside an array task of a search
+        return ask_command(list(flags))
     fixed = list(flags)
     if given(fixed, "--run-dir"):
         raise UserError("dmltrain sweep chooses each trial's run directory; leave out --run-dir")
@@ -104,15 +130,21 @@ def run(
             "leave out --nodes, --tasks-per-node and --script"
         )
     space = load_space(Path(args.space), options_of(args.experiment))
-    trials = expand(space, args.trials, args.space_seed)
-    check_flags([args.experiment, *fixed])  # the fixed flags alone: their own error first
-    check_trials(trials, fixed, args.experiment, check_flags)
+    _, config, _ = check_flags([args.experiment, *fixed])  # the fixed flags' own error first
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     sweep = Sweep(Path("runs") / (args.name or f"{args.experiment}-sweep-{stamp}"))
-    sweep.create(args.launch_as, fixed, trials)
-    left = sweep.left()
+    if args.search:
+        left = _create_search(sweep, args, fixed, space, config, check_flags)
+    else:
+        for name in ("pruner", "storage"):
+            if getattr(args, name) is not None:
+                raise UserError(f"--{name} is for a search: add --search tpe (or random, ...)")
+        trials = expand(space, args.trials, args.space_seed)
+        check_trials(trials, fixed, args.experiment, check_flags)
+        sweep.create(args.launch_as, fixed, trials)
+        left = sweep.left()
     print(
-        f"dmltrain sweep: {len(trials)} trial(s) in {sweep.directory} ({sweep.directory}/"
+        f"dmltrain sweep: {sweep.count()} trial(s) in {sweep.directory} ({sweep.directory}/"
         f"trials.csv); {len(left)} not done"
     )
     if not left:
@@ -125,28 +157,59 @@ def run(
     return submit_array(sweep, left, args)
 
 
+def _create_search(
+    sweep: Sweep,
+    args: argparse.Namespace,
+    fixed: list[str],
+    space: dict[str, Any],
+    config: Any,
+    check_flags: Callable[[list[str]], object],
+) -> list[int]:
+    """The search's sweep and study, checked before anything runs; the trials not done."""
+    settings = search.Search(
+        args.search,
+        args.pruner or "median",
+        args.trials,
+        args.space_seed,
+        config.checkpoint.best_metric,
+        config.checkpoint.best_mode,
+        args.retry_failed,
+        args.storage,
+    )
+    search.check(settings, space)
+    check_trials(search.corners(space), fixed, args.experiment, check_flags)
+    asked = {"space": space, "search": dataclasses.asdict(settings)}
+    sweep.create(args.launch_as, fixed, [], asked)
+    search.create_study(sweep, settings, {"experiment": args.launch_as, "fixed": fixed, **asked})
+    return [i for i in range(settings.trials) if not search.finished(sweep, i)]
+
+
 def run_local(sweep: Sweep, left: list[int], parallel: int) -> int:
     """Each trial in its own process, ``parallel`` at once, each run again while it exits
-    with status 3 (stopped to go on); output in ``trial-<i>/output.log``."""
+    with status 3 (stopped to go on); output in ``trial-<i>/output.log``. A search's trial
+    is asked for first, and run again while ``--retry-failed`` allows."""
     threads = max(1, physical_cores(cpu_set()) // parallel)
+    searching = sweep.searching()
 
     def one(i: int) -> int:
-        args = sweep.args(i)
-        if parallel > 1 and not given(args, "--threads"):
-            args = [*args, "--threads", str(threads)]
-        with open(sweep.trial_dir(i) / "output.log", "a") as log:
-            while True:
-                code = subprocess.run(
-                    [sys.executable, "-m", "dmltrain", *args], stdout=log, stderr=subprocess.STDOUT
-                ).returncode
-                if code != EXIT_REQUEUE:
-                    break
-        print(f"dmltrain sweep: trial {i}: {sweep.outcome(i)} (exit status {code})", flush=True)
-        return code
+        if not searching:
+            code = _run_here(sweep, i, threads if parallel > 1 else None)
+            print(f"dmltrain sweep: trial {i}: {sweep.outcome(i)} (exit status {code})", flush=True)
+            return code
+        code = 0
+        while (ended := search.ready(sweep, i)) is None:
+            code = _run_here(sweep, i, threads if parallel > 1 else None)
+            if code != 0:
+                search.fail_running(sweep, i)  # killed: nothing else tells the study
+        print(f"dmltrain sweep: trial {i}: {ended} (exit status {code})", flush=True)
+        return 0 if ended in search.FINISHED else code or 1
 
     with concurrent.futures.ThreadPoolExecutor(parallel) as pool:
         codes = list(pool.map(one, left))
-    sweep.write_table()
+    if searching:
+        search.write_table(sweep)
+    else:
+        sweep.write_table()
     failed = [i for i, code in zip(left, codes, strict=True) if code != 0]
     if failed:
         print(
@@ -155,6 +218,20 @@ def run_local(sweep: Sweep, left: list[int], parallel: int) -> int:
         )
         return 1
     return 0
+
+
+def _run_here(sweep: Sweep, i: int, threads: int | None) -> int:
+    """Trial ``i`` in a process of its own until it ends or stops to go on."""
+    args = sweep.args(i)
+    if threads is not None and not given(args, "--threads"):
+        args = [*args, "--threads", str(threads)]
+    with open(sweep.trial_dir(i) / "output.log", "a") as log:
+        while True:
+            code = subprocess.run(
+                [sys.executable, "-m", "dmltrain", *args], stdout=log, stderr=subprocess.STDOUT
+            ).returncode
+            if code != EXIT_REQUEUE:
+                return code
 
 
 def submit_array(sweep: Sweep, left: list[int], args: argparse.Namespace) -> int:
@@ -167,6 +244,9 @@ def submit_array(sweep: Sweep, left: list[int], args: argparse.Namespace) -> int
         'mapfile -t trial_args < "$sweep/trial-$trial/args"',
         '[ $# -gt 0 ] || set -- "${trial_args[@]}" --run-dir "$sweep/trial-$trial"',
     ]
+    if sweep.searching():  # the task's trial asked of the study first; a retry moves its folder
+        output = f"{directory}/slurm-%A_%a.out"
+        body[1:] = _asked("trial")
     if per_task > 1:
         output = f"{directory}/task-%a-slurm-%A.out"
         body[1:] = [f'[ $# -gt 0 ] || set -- sweep task "$sweep" "$trial" {per_task}']
@@ -176,6 +256,19 @@ def submit_array(sweep: Sweep, left: list[int], args: argparse.Namespace) -> int
     array = ",".join(map(str, left)) + (f"%{args.max_parallel}" if args.max_parallel else "")
     what = f"job array ({'tasks' if per_task > 1 else 'trials'} {array})"
     return _send(sweep, ["sbatch", "--parsable", f"--array={array}", str(target)], what, args)
+
+
+def _asked(trial: str, indent: str = "") -> list[str]:
+    """A search's array task: its trial's command line, asked of ``dmltrain sweep ask``
+    (nothing: the trial is done, and the task ends)."""
+    return [
+        f"{indent}if [ $# -eq 0 ]; then",
+        f'{indent}    asked=$(dmltrain sweep ask "$sweep" "${trial}") || exit $?',
+        f'{indent}    [ -n "$asked" ] || exit 0',
+        f'{indent}    mapfile -t trial_args <<< "$asked"',
+        f'{indent}    set -- "${{trial_args[@]}}"',
+        f"{indent}fi",
+    ]
 
 
 def _write_script(
@@ -240,11 +333,11 @@ def task_command(argv: list[str]) -> int:
     # what the batch script adds (--no-requeue); its --status-file is the task's to write
     extra, status_file = _without_status_file(argv[3:])
     sweep = Sweep(directory)
-    count = len(sweep.load()["trials"])
+    searching = sweep.searching()
     trials = [
         i
-        for i in range(task * per_task, min((task + 1) * per_task, count))
-        if sweep.outcome(i) != "done"
+        for i in range(task * per_task, min((task + 1) * per_task, sweep.count()))
+        if (search.ready(sweep, i) is None if searching else sweep.outcome(i) != "done")
     ]
     if not trials:
         return 0
@@ -281,6 +374,9 @@ def task_command(argv: list[str]) -> int:
     ]
     codes = [code for code, _ in ended]
     print(f"dmltrain sweep: task {task}: trials {trials} ended with {codes}", flush=True)
+    for trial, code in zip(trials, codes, strict=True):
+        if searching and code not in (0, EXIT_REQUEUE, EXIT_PEER_LOST):
+            search.fail_running(sweep, trial)  # killed: nothing else tells the study
     status = next((code for code in codes if code), 0)
     if any(code in (EXIT_REQUEUE, EXIT_PEER_LOST) for code in codes):
         status = EXIT_REQUEUE
@@ -289,6 +385,27 @@ def task_command(argv: list[str]) -> int:
     write_atomic(status_file, status_record(status, sum(saved for _, saved in ended)))
     # the batch script reads it there; srun would report a 3 as a failed task
     return 0 if status == EXIT_REQUEUE else status
+
+
+def ask_command(argv: list[str]) -> int:
+    """``dmltrain sweep ask DIR K``: ready trial K of the search in DIR (``search.ready``)
+    and print its command line, a word a line; print nothing when the trial is done."""
+    try:
+        directory, slot = Path(argv[0]), int(argv[1])
+    except (IndexError, ValueError):
+        raise UserError(
+            "dmltrain sweep ask DIR K readies trial K of the search in DIR (the batch script "
+            "dmltrain sweep wrote runs it): give both"
+        ) from None
+    sweep = Sweep(directory)
+    if not sweep.searching():
+        raise UserError(f"{directory} is a sweep, not a search: its trials need no asking")
+    ended = search.ready(sweep, slot)
+    if ended is not None:
+        print(f"dmltrain sweep: trial {slot} is {ended}: nothing to run", file=sys.stderr)
+        return 0
+    print("\n".join(sweep.args(slot)))
+    return 0
 
 
 def _without_status_file(extra: list[str]) -> tuple[list[str], Path | None]:
@@ -323,7 +440,26 @@ def status_command(argv: list[str]) -> int:
     parser.add_argument("--best-metric", default="val_loss", help="the metric of the best trial")
     parser.add_argument("--best-mode", choices=["min", "max"], default="min")
     args = parser.parse_args(argv)
-    return status(Sweep(Path(args.directory)), args.best_metric, args.best_mode)
+    sweep = Sweep(Path(args.directory))
+    if sweep.searching():
+        return search_status(sweep)
+    return status(sweep, args.best_metric, args.best_mode)
+
+
+def search_status(sweep: Sweep) -> int:
+    """A search's table (and trials.csv): each trial's options, state in the study (a
+    queued or running array task shown as such), value and steps; then the counts, the
+    best trial and what pruning saved."""
+    rows, lines = search.summary(sweep)
+    queued = scheduler_states(sweep.load()["jobs"])
+    for row in rows:
+        if row["state"] in ("pending", "paused") and row["trial"] in queued:
+            row["state"] = queued[row["trial"]]
+    search.write_table(sweep, rows)
+    _print_table(rows)
+    for line in lines:
+        print(line)
+    return 0
 
 
 def submit_pbs_array(sweep: Sweep, left: list[int], args: argparse.Namespace) -> int:
@@ -342,6 +478,8 @@ def submit_pbs_array(sweep: Sweep, left: list[int], args: argparse.Namespace) ->
         '    set -- "${trial_args[@]}" --run-dir "$sweep/trial-$trial"',
         "fi",
     ]
+    if sweep.searching():
+        body[2:8] = _asked("trial", "    ")
     output = {"#PBS -o ": f"#PBS -o {directory}/pbs-^array_index^.out"}
     target = _write_script(sweep, args, "pbs", output, body)
     array = f"{left[0]}-{left[-1]}" + (f"%{args.max_parallel}" if args.max_parallel else "")
@@ -370,13 +508,7 @@ def status(sweep: Sweep, metric: str, mode: str) -> int:
     """The trials' table (and trials.csv), then the best trial."""
     rows = sweep.rows(metric, mode, scheduler_states(sweep.load()["jobs"]))
     sweep.write_table(rows)
-    names = [k for k in rows[0] if k != "last"]
-    shown = [[_cell(row[k]) for k in names] for row in rows]
-    widths = [max(len(n), *(len(r[j]) for r in shown)) for j, n in enumerate(names)]
-    print("  ".join(n.ljust(w) for n, w in zip(names, widths, strict=True)).rstrip())
-    for row, cells in zip(rows, shown, strict=True):
-        line = "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
-        print(line + (f"  ({row['last']})" if row["last"] else ""))
+    _print_table(rows)
     top = best(rows, metric, mode)
     if top is None:
         print(f"dmltrain sweep: no trial has validated {metric} yet")
@@ -386,6 +518,19 @@ def status(sweep: Sweep, metric: str, mode: str) -> int:
             f"{sweep.trial_dir(top['trial'])}"
         )
     return 0
+
+
+def _print_table(rows: list[dict[str, Any]]) -> None:
+    """The rows as aligned columns, a failure's last line after its row."""
+    names: list[str] = []
+    for row in rows:
+        names += [name for name in row if name not in names and name != "last"]
+    shown = [[_cell(row.get(k)) for k in names] for row in rows]
+    widths = [max(len(n), *(len(r[j]) for r in shown)) for j, n in enumerate(names)]
+    print("  ".join(n.ljust(w) for n, w in zip(names, widths, strict=True)).rstrip())
+    for row, cells in zip(rows, shown, strict=True):
+        line = "  ".join(c.ljust(w) for c, w in zip(cells, widths, strict=True)).rstrip()
+        print(line + (f"  ({row['last']})" if row.get("last") else ""))
 
 
 def _cell(value: Any) -> str:

@@ -1,0 +1,399 @@
+"""``dmltrain sweep --search`` (dmltrain/tools/search.py, dmltrain/features/search.py): an
+Optuna study in a journal file, real trials of the tiny experiment reporting to it.
+
+Here: bad input is one line before anything runs; a local search prunes and says so; a
+trial on 2 processes is pruned on both ranks at one step; a trial killed after a
+validation and resumed reports each step once and ends as one never stopped; a failed or
+lost trial is failed in the study and run again; optuna-dashboard reads the journal. On
+the local Slurm cluster: 4 trials as an array, 2 at once, writing the journal together,
+one preempted with scancel --signal=USR1; and a PBS array (PBS faked)."""
+
+import json
+import re
+import socket
+import subprocess
+import sys
+import urllib.request
+
+import pytest
+from helpers import (
+    AT_ONCE,
+    TINY,
+    TINY_RUN,
+    assert_same_run,
+    job_field,
+    pbs_env,
+    release_requeues_until_done,
+    require,
+    run_cli,
+    wait_for,
+)
+
+optuna = pytest.importorskip("optuna")  # the dev extra's
+from optuna.storages import JournalStorage  # noqa: E402
+from optuna.storages.journal import JournalFileBackend  # noqa: E402
+
+from dmltrain.tools import search  # noqa: E402
+from dmltrain.tools.sweep import Sweep  # noqa: E402
+
+SPACE = "lr: {low: 0.001, high: 0.1, log: true}\nbatch-size: [8, 16]\n"
+VALIDATED = ["--val-every-steps", "4"]  # a report every 4 steps, and at each epoch's end
+
+
+def load(path, name):
+    return optuna.load_study(study_name=name, storage=JournalStorage(JournalFileBackend(str(path))))
+
+
+@pytest.mark.parametrize(
+    "space, extra, message",
+    [
+        (SPACE, ["--search", "bayes"], "argument --search: invalid choice: 'bayes'"),
+        (SPACE, ["--search", "tpe", "--pruner", "wild"], "argument --pruner: invalid choice"),
+        (SPACE, ["--search", "grid"], "--search grid takes lists and {values: [...]} only"),
+        ("lr: [0.1, 0.2]\n", ["--search", "grid", "--trials", "3"], "the grid has 2 point(s)"),
+        (SPACE, ["--search", "tpe", "--best-metric", "loss"], "--best-metric loss: a validation "
+                                                              "reports the training log's val_"),
+        ("lr: [{a: 1}]\n", ["--search", "tpe"], "a search chooses among numbers, strings"),
+        (SPACE, ["--pruner", "median"], "--pruner is for a search: add --search tpe"),
+        (SPACE, ["--search", "tpe", "--retry-failed", "-1"], "--retry-failed must be 0 or more"),
+        ("lr: [0.1, -1]\n", ["--search", "tpe"], "(lr=-1) is refused: --lr must be a positive"),
+    ],
+)  # fmt: skip
+def test_bad_search_input_is_one_line_before_anything_runs(tmp_path, space, extra, message):
+    (tmp_path / "sweep.yaml").write_text(space)
+    done = run_cli("sweep", "tiny", "--space", "sweep.yaml", *extra, "--local", cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert message in line and "Traceback" not in line, line
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_journal_holding_another_sweeps_study_is_refused(tmp_path):
+    """Two sweeps of one name on one --storage: the second, with another space, is refused."""
+    journal = tmp_path / "shared.journal"
+    for where, space in (("a", SPACE), ("b", "lr: [0.1, 0.2]\n")):
+        (tmp_path / where).mkdir()
+        (tmp_path / where / "sweep.yaml").write_text(space)
+        args = ["sweep", "tiny", "--space", "sweep.yaml", "--search", "random", "--name", "s",
+                "--storage", str(journal), "--dry-run"]  # fmt: skip
+        done = run_cli(*args, cwd=tmp_path / where)
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert f"{journal} holds the study s of another sweep" in line, line
+    assert not (tmp_path / "b" / "runs" / "s" / "sweep-slurm.sh").exists()
+    assert len(load(journal, "s").trials) == 0  # nothing was asked
+
+
+def test_a_local_search_prunes_with_its_own_outcome_and_status_says_so(tmp_path):
+    """6 trials, one at a time (the draws then fixed by the seed): the median pruner (from
+    the 6th trial) stops trial 5, whose learning rate is the lowest, at its first report."""
+    (tmp_path / "sweep.yaml").write_text(SPACE)
+    args = ["sweep", *TINY, "--epochs", "6", *VALIDATED, "--space", "sweep.yaml", "--search",
+            "tpe", "--pruner", "median", "--trials", "6", "--name", "s", "--local"]  # fmt: skip
+    done = run_cli(*args, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    sweep = tmp_path / "runs" / "s"
+    assert done.stdout.count("complete (exit status 0)") == 5, done.stdout
+    assert "trial 5: pruned (exit status 0)" in done.stdout, done.stdout
+    outcome = json.loads((sweep / "trial-5" / "outcome.json").read_text())
+    assert outcome["status"] == "pruned" and outcome["global_step"] == 4
+    assert (sweep / "trial-5" / "checkpoints" / "latest.pt").is_file()  # kept
+    log = (sweep / "trial-5" / "output.log").read_text()
+    assert "done: pruned by the search (median pruner) at global step 4, val_loss" in log
+    study = load(sweep / "study.journal", "s")
+    states = [t.state.name for t in study.trials]
+    assert states == ["COMPLETE"] * 5 + ["PRUNED"]
+    assert [t.user_attrs["slot"] for t in study.trials] == list(range(6))
+    for t in study.trials:  # a report per validation row, its value the training log's
+        rows = [r for r in _log(sweep / f"trial-{t.user_attrs['slot']}") if "val_loss" in r]
+        assert t.intermediate_values == {int(r["step"]): pytest.approx(r["val_loss"]) for r in rows}
+
+    status = run_cli("sweep", "status", "runs/s", cwd=tmp_path)
+    assert status.returncode == 0, status.stderr
+    lines = status.stdout.splitlines()
+    assert lines[0].split() == ["trial", "number", "state", "lr", "batch_size", "val_loss", "steps"]
+    assert lines[6].split()[2] == "pruned" and lines[6].split()[-1] == "4"
+    assert lines[7] == "dmltrain sweep: 5 complete, 1 pruned"
+    best = min(study.trials[:5], key=lambda t: t.value)
+    assert lines[8].startswith(f"dmltrain sweep: best trial {best.user_attrs['slot']} (val_loss")
+    planned = study.trials[5].user_attrs["planned_steps"]
+    assert re.match(rf"dmltrain sweep: pruning saved {planned - 4} of \d+ steps", lines[9])
+    assert (sweep / "trials.csv").read_text().count(",pruned,") == 1
+
+    plotted = run_cli("plot", "runs/s", cwd=tmp_path)
+    assert plotted.returncode == 0, plotted.stderr
+    for name in ("sweep_curves", "search_history", "search_reports", "search_importances"):
+        assert (sweep / f"{name}.png").stat().st_size > 10_000, name
+    again = run_cli(*args, cwd=tmp_path)
+    assert again.returncode == 0 and "every trial is done; nothing to run" in again.stdout
+    assert len(load(sweep / "study.journal", "s").trials) == 6  # nothing more asked
+
+
+def test_a_grid_search_runs_each_point_once(tmp_path):
+    (tmp_path / "sweep.yaml").write_text("lr: [0.001, 0.01]\nbatch-size: {values: [8, 16]}\n")
+    args = ["sweep", *TINY, "--epochs", "1", "--space", "sweep.yaml", "--search", "grid",
+            "--trials", "4", "--name", "g", "--local", "--parallel", "2"]  # fmt: skip
+    done = run_cli(*args, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    study = load(tmp_path / "runs" / "g" / "study.journal", "g")
+    points = {(t.params["lr"], t.params["batch_size"]) for t in study.trials}
+    assert points == {(0.001, 8), (0.001, 16), (0.01, 8), (0.01, 16)}
+
+
+def _log(run):
+    from dmltrain.records.training_log import read_training_log
+
+    return read_training_log(run / "training_log.csv")
+
+
+def _study_with_a_trial(tmp_path, pruner="median", good=5):
+    """A journal whose study has ``good`` complete trials that report 0.0 at every step
+    (so the median pruner prunes any other), and a running trial: its trial.json."""
+    journal = tmp_path / "study.journal"
+    study = optuna.create_study(
+        study_name="s", storage=JournalStorage(JournalFileBackend(str(journal)))
+    )
+    study.set_user_attr("dmltrain", {"pruner": pruner})
+    for _ in range(good):
+        done = study.ask()
+        for step in range(1, 200):
+            done.report(0.0, step)
+        study.tell(done, 0.0)
+    trial = study.ask()
+    path = tmp_path / "trial.json"
+    path.write_text(json.dumps({"storage": "study.journal", "study": "s", "number": trial.number}))
+    return path, trial.number
+
+
+def test_a_trial_on_two_processes_is_pruned_on_both_ranks_at_the_same_step(tmp_path):
+    path, number = _study_with_a_trial(tmp_path)
+    run = tmp_path / "run"
+    done = run_cli(*TINY, *VALIDATED, "--nprocs", "2", "--search-trial", str(path), "--run-dir",
+                   str(run), "--listen-all", cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "pruned by the search (median pruner) at global step 4" in done.stdout, done.stdout
+    for rank in (0, 1):  # every rank took its last step at the report, and ended the run
+        events = json.loads((run / f"events.{rank}.json").read_text())
+        assert events["steps"][-1] == 4 and events["seen"]["on_train_end"] == 1, events
+    assert json.loads((run / "outcome.json").read_text())["status"] == "pruned"
+    trial = load(tmp_path / "study.journal", "s").trials[number]
+    assert trial.state.name == "PRUNED" and list(trial.intermediate_values) == [4]
+    again = run_cli(*TINY, "--nprocs", "2", "--search-trial", str(path), "--run-dir", str(run),
+                    cwd=tmp_path)  # fmt: skip
+    assert again.returncode == 2, again.stderr
+    assert f"trial {number} of the search is pruned and takes no more reports" in again.stderr
+
+
+def test_a_trial_killed_after_a_report_resumes_and_reports_each_step_once(tmp_path):
+    """Killed at step 10 (reports at 4 and 8 made, the checkpoint of step 6 the newest: with
+    --best-mode max the falling val_loss saves no best.pt after step 4): the next job resumes
+    at 6, does the validation of step 8 again without reporting it, and the trial's reports
+    and weights equal those of the same trial never stopped."""
+    values = {}
+    for name, fault in (("whole", []), ("killed", ["--die-rank", "0", "--die-at-step", "10"])):
+        where = tmp_path / name
+        where.mkdir()
+        path, number = _study_with_a_trial(where, pruner="none", good=0)
+        args = [*TINY_RUN, *VALIDATED, "--checkpoint-every-steps", "6", "--best-mode", "max",
+                "--search-trial",
+                str(path), "--run-dir", str(where / "run")]  # fmt: skip
+        done = run_cli(*args, *fault, cwd=where)
+        if fault:
+            assert done.returncode != 0
+            reported = load(where / "study.journal", "s").trials[number].intermediate_values
+            assert list(reported) == [4, 8]
+            done = run_cli(*args, cwd=where)  # no fault: the next job
+            assert "resuming from" in done.stdout and "00000006.pt" in done.stdout, done.stdout
+        assert done.returncode == 0, done.stderr[-3000:]
+        trial = load(where / "study.journal", "s").trials[number]
+        assert trial.state.name == "COMPLETE"
+        assert trial.value == min(trial.intermediate_values.values())
+        values[name] = trial.intermediate_values
+    assert values["killed"] == values["whole"]  # the same steps, the same values
+    assert list(values["whole"]) == [4, 8, 12, 16, 20, 24, 28, 32, 36]
+    assert_same_run(tmp_path / "whole" / "run", tmp_path / "killed" / "run")
+
+
+def test_failed_and_lost_trials_are_failed_in_the_study_and_run_again(tmp_path):
+    """A trial whose code raises fails, and runs again with its options once
+    (--retry-failed 1); then a trial whose run started and left no checkpoint (its node
+    lost) is failed when its slot is readied, and run again."""
+    (tmp_path / "sweep.yaml").write_text("lr: {low: 0.001, high: 0.1}\n")
+    args = ["sweep", *TINY, "--space", "sweep.yaml", "--search", "random", "--trials", "1",
+            "--retry-failed", "1", "--name", "s", "--local"]  # fmt: skip
+    done = run_cli(*args, "--raise-rank", "0", "--raise-at-step", "3", cwd=tmp_path)
+    assert done.returncode == 1, done.stdout
+    assert "trial 0: failed (exit status 1)" in done.stdout, done.stdout
+    sweep = tmp_path / "runs" / "s"
+    study = load(sweep / "study.journal", "s")
+    assert [t.state.name for t in study.trials] == ["FAIL", "FAIL"]
+    assert study.trials[0].params == study.trials[1].params
+    outcome = json.loads((sweep / "trial-0.failed-0" / "outcome.json").read_text())
+    assert outcome["status"] == "failed"
+
+    (tmp_path / "lost.yaml").write_text("lr: {low: 0.001, high: 0.1}\n")
+    lost = Sweep(tmp_path / "runs" / "lost")
+    made = ["sweep", *TINY, "--space", "lost.yaml", "--search", "random", "--trials", "1",
+            "--retry-failed", "1", "--name", "lost", "--dry-run"]  # fmt: skip
+    assert run_cli(*made, cwd=tmp_path).returncode == 0
+    assert search.ready(lost, 0) is None  # asked: trial 0 of the study
+    (lost.trial_dir(0) / "config.yaml").write_text("started: true\n")  # a run, then nothing
+    assert search.ready(lost, 0) is None  # failed, and asked again with its options
+    study = load(lost.directory / "study.journal", "lost")
+    assert [t.state.name for t in study.trials] == ["FAIL", "RUNNING"]
+    assert study.trials[0].params == study.trials[1].params
+    assert (lost.directory / "trial-0.failed-0" / "config.yaml").is_file()
+    assert json.loads((lost.trial_dir(0) / "trial.json").read_text())["attempt"] == 1
+    (lost.trial_dir(0) / "config.yaml").write_text("started: true\n")
+    assert search.ready(lost, 0) == "failed"  # no retry left: done with, not RUNNING
+    assert load(lost.directory / "study.journal", "lost").trials[1].state.name == "FAIL"
+
+
+def test_a_metric_no_validation_reports_fails_the_trial_at_the_first_one(tmp_path):
+    """The sweep checks only that it is a val_ or train_ column: a misspelt one ends the
+    trial at its first validation, in one line, not after its whole training."""
+    path, number = _study_with_a_trial(tmp_path, pruner="none", good=0)
+    done = run_cli(*TINY, *VALIDATED, "--best-metric", "val_los", "--search-trial", str(path),
+                   "--run-dir", str(tmp_path / "run"), cwd=tmp_path)  # fmt: skip
+    assert done.returncode == 2, done.stderr[-3000:]
+    (line,) = done.stderr.strip().splitlines()[-1:]
+    assert "--best-metric val_los is not in the validation's row (train_loss, val_loss)" in line
+    assert json.loads((tmp_path / "run" / "outcome.json").read_text())["global_step"] == 4
+    assert load(tmp_path / "study.journal", "s").trials[number].state.name == "FAIL"
+
+
+def test_two_trials_packed_in_a_task_are_asked_for_and_run_side_by_side(tmp_path):
+    """``dmltrain sweep task DIR 0 2`` (what an array task of --trials-per-task 2 runs),
+    started here: it readies both trials of its task, then runs them as two processes."""
+    (tmp_path / "sweep.yaml").write_text(SPACE)
+    made = ["sweep", *TINY, "--space", "sweep.yaml", "--search", "random", "--trials", "2",
+            "--trials-per-task", "2", "--name", "p", "--dry-run"]  # fmt: skip
+    assert run_cli(*made, cwd=tmp_path).returncode == 0
+    done = run_cli("sweep", "task", "runs/p", "0", "2", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "task 0: trials [0, 1] ended with [0, 0]" in done.stdout, done.stdout
+    study = load(tmp_path / "runs" / "p" / "study.journal", "p")
+    assert sorted(t.user_attrs["slot"] for t in study.trials) == [0, 1]
+    assert {t.state.name for t in study.trials} == {"COMPLETE"}
+    again = run_cli("sweep", "task", "runs/p", "0", "2", cwd=tmp_path)
+    assert again.returncode == 0 and "starts trial" not in again.stdout  # both done
+
+
+def test_optuna_dashboard_reads_the_journal(tmp_path):
+    """What docs/sweeps.md says to type: optuna-dashboard runs/NAME/study.journal."""
+    require("optuna-dashboard")
+    _study_with_a_trial(tmp_path, good=2)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = subprocess.Popen(["optuna-dashboard", str(tmp_path / "study.journal"), "--host",
+                               "127.0.0.1", "--port", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        found = {}
+
+        def answers() -> bool:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/studies") as reply:
+                    found.update(json.load(reply))
+                return True
+            except OSError:
+                return False
+
+        wait_for(answers, 60, "optuna-dashboard to answer")
+        (summary,) = found["study_summaries"]
+        assert summary["study_name"] == "s"
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/api/studies/0") as reply:
+            assert len(json.load(reply)["trials"]) == 3
+    finally:
+        server.terminate()
+        server.wait(10)
+
+
+# ----- the local Slurm cluster, and PBS faked --------------------------------------------
+TASK = ["--tasks-per-node", "1", "--cpus-per-task", "1", "--time", "00:10:00"]
+SEARCH = ["--space", "sweep.yaml", "--search", "random", "--trials", "4", "--space-seed", "3"]
+
+
+@pytest.fixture(scope="module")
+def here(tmp_path_factory):
+    """The search run here, one trial at a time: each slot's options are drawn by the
+    slot's own seed, so every slot must end equal to it wherever it runs."""
+    cwd = tmp_path_factory.mktemp("search-here")
+    (cwd / "sweep.yaml").write_text(SPACE)
+    done = run_cli("sweep", *TINY_RUN, *VALIDATED, *SEARCH, "--name", "here", "--local", cwd=cwd)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("complete (exit status 0)") == 4, done.stdout
+    return cwd / "runs" / "here"
+
+
+def _same_trials(here, ran) -> None:
+    """Each slot: the same options, reports and run as here; 4 trials in the study."""
+    a, b = load(here / "study.journal", "here"), load(ran / "study.journal", ran.name)
+    assert len(b.trials) == 4 and {t.state.name for t in b.trials} == {"COMPLETE"}
+    by_slot = {t.user_attrs["slot"]: t for t in a.trials}
+    for trial in b.trials:
+        slot = trial.user_attrs["slot"]
+        assert trial.params == by_slot[slot].params
+        assert trial.intermediate_values == by_slot[slot].intermediate_values
+        assert_same_run(here / f"trial-{slot}", ran / f"trial-{slot}")
+
+
+def test_a_search_as_an_array_writes_one_journal_from_two_tasks_and_resumes_exactly(
+    slurm, here, tmp_path
+):
+    (tmp_path / "sweep.yaml").write_text(SPACE)
+    args = ["sweep", *TINY_RUN, *VALIDATED, "--step-sleep", "0.3", "--first-job-only", *SEARCH,
+            "--name", "array", "--max-parallel", "2", *TASK, *AT_ONCE]  # fmt: skip
+    done = run_cli(*args, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    array = re.search(r"submitted job array (\d+) \(trials 0,1,2,3%2\)", done.stdout).group(1)
+    sweep = tmp_path / "runs" / "array"
+    out = sweep / f"slurm-{array}_1.out"
+    wait_for(lambda: out.exists() and "(step 16)" in out.read_text(), 240, "trial 1")
+    for _ in range(5):
+        subprocess.run(["scancel", "--signal=USR1", f"{array}_1"], capture_output=True)
+        try:
+            wait_for(lambda: "preempted (SIGUSR1)" in out.read_text(), 10, "trial 1 to stop")
+            break
+        except AssertionError:
+            continue
+    release_requeues_until_done(f"{array}_1", tmp_path)
+    for task in (0, 2, 3):
+        wait_for(lambda t=task: job_field(f"{array}_{t}", "JobState") == "COMPLETED", 240, "tasks")
+    assert job_field(f"{array}_1", "Restarts") == "1"
+    _same_trials(here, sweep)  # the paused trial reported each step once, to its own trial
+    trials = load(sweep / "study.journal", "array").trials
+    spans = sorted((t.datetime_start, t.datetime_complete) for t in trials)
+    assert spans[1][0] < spans[0][1]  # two tasks wrote the journal at once
+
+    status = run_cli("sweep", "status", "runs/array", cwd=tmp_path)
+    assert "dmltrain sweep: 4 complete" in status.stdout, status.stdout
+    again = run_cli(*args, cwd=tmp_path)
+    assert again.returncode == 0 and "every trial is done; nothing to run" in again.stdout
+
+
+def test_a_search_as_a_pbs_array_runs_every_trial(here, tmp_path):
+    """PBS faked (tests/cluster/qsub runs the subjobs one after another)."""
+    env = pbs_env(tmp_path)
+    (tmp_path / "sweep.yaml").write_text(SPACE)
+    args = [sys.executable, "-m", "dmltrain", "sweep", *TINY_RUN, *VALIDATED, *SEARCH, "--name",
+            "pbs", "--system", "pbs", "--script", "casper"]  # fmt: skip
+    done = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert re.search(r"submitted array job \d+\[\]\.fakepbs \(trials 0-3\)", done.stdout)
+    _same_trials(here, tmp_path / "runs" / "pbs")
+
+
+def test_the_search_scripts_pass_shellcheck(tmp_path):
+    require("shellcheck")
+    (tmp_path / "sweep.yaml").write_text(SPACE)
+    base = ["sweep", "tiny", *SEARCH, "--dry-run"]
+    for extra in (["--name", "a"], ["--name", "b", "--trials-per-task", "2"],
+                  ["--name", "c", "--system", "pbs"]):  # fmt: skip
+        done = run_cli(*base, *extra, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+    kinds = {"a": "slurm", "b": "slurm", "c": "pbs"}
+    scripts = [tmp_path / "runs" / name / f"sweep-{kind}.sh" for name, kind in kinds.items()]
+    subprocess.run(["shellcheck", *map(str, scripts)], check=True)
+    assert 'asked=$(dmltrain sweep ask "$sweep" "$trial")' in scripts[0].read_text()
