@@ -195,14 +195,15 @@ def targets(reports: dict) -> list[tuple[str, str, str, bool]]:
                      f" tiny model {reports['monitor']['extra_us']:+.1f} us a step)", "<= 1.01x",
                      r <= 1.01))  # fmt: skip
     se = reports.get("search_pruning", {})
-    if se:
-        r = se["ratios"]["search: steps trained, asha / no pruner"]
+    for pruner, found in se.get("pruners", {}).items():
         low, high = se["spread"]
-        rows.append((f"`dmltrain sweep mnist --search tpe --pruner asha`, {se['trials']} trials: "
-                     "steps trained vs no pruner", f"{r:.2f}x", "<= 0.50x", r <= 0.5))  # fmt: skip
-        rows.append(("... and its best val_loss vs the unpruned searches' spread over seeds",
-                     f"{se['worst_pruned_best']:.4f} vs {low:.4f}-{high:.4f}", "within",
-                     se["within_spread"]))  # fmt: skip
+        rows.append((f"`dmltrain sweep mnist --search tpe --pruner {pruner}`, {se['trials']} "
+                     "trials: steps trained vs no pruner", f"{found['share']:.2f}x", "<= 0.50x",
+                     found["share"] <= 0.5))  # fmt: skip
+        rows.append((f"... --pruner {pruner}: its best val_loss (mean over {found['seeds']} "
+                     "seeds) vs the unpruned searches' spread", f"{found['mean_best']:.4f} vs "
+                     f"{low:.4f}-{high:.4f} ({found['inside']} of {found['seeds']} seeds inside)",
+                     "within", found["within_spread"]))  # fmt: skip
     co = reports.get("collectives", {}).get("model_1024_ranks_20us")
     if co:
         share, interval = co["pairwise_share"], co["pairwise_interval"]

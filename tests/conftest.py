@@ -83,6 +83,7 @@ QUICK = (
     "test_bad_input.py::test_bad_flags_are_one_line_and_exit_2",
     "test_search.py::test_bad_search_input_is_one_line_before_anything_runs",
     "test_search.py::test_a_journal_holding_another_sweeps_study_is_refused",
+    "test_search.py::test_asha_and_hyperband_rungs_fall_at_shares_of_the_trials_steps",
     "test_bad_input.py::test_default_run_directories_never_collide",
     "test_bad_input.py::test_a_yaml_float_without_a_dot_is_read_as_a_number",
     "test_bad_input.py::test_a_status_file_in_a_missing_folder_is_refused_before_training",

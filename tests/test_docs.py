@@ -241,8 +241,10 @@ def test_the_search_of_sweeps_md_runs_here_and_its_status_and_plots_follow(tmp_p
     lines = command_lines("```bash\n" + FENCE.findall(block)[0][1] + "```")
     sweep, status, plot = (args for args in lines if args[0] in ("sweep", "plot"))
     smaller = {"--epochs": "1", "--val-every-steps": "20", "--trials": "3"}
-    args = [smaller.get(before, word) for before, word in zip(["", *sweep], sweep)]
-    args = args[: args.index("--max-parallel")] + ["--local", "--no-download"]
+    args = [
+        smaller.get(before, word) for before, word in zip(["", *sweep[:-1]], sweep, strict=True)
+    ]
+    args = [*args[: args.index("--max-parallel")], "--local", "--no-download"]
     done = run_cli(*args, cwd=tmp_path, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("(exit status 0)") == 3, done.stdout

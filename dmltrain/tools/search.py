@@ -15,11 +15,12 @@ array task (or a process of ``--local``) readies its slot (``ready``) before it 
 - a complete or pruned trial is done: the task ends at once.
 
 Asking happens under one lock (``slots.lock``), so tasks that start together draw
-distinct trials. Each slot's sampler is seeded by ``--space-seed`` plus the slot.
+distinct trials. Each slot's sampler is seeded by ``--space-seed`` and the slot.
 """
 
 import csv
 import dataclasses
+import hashlib
 import math
 import shutil
 import sys
@@ -110,7 +111,9 @@ def distributions(space: Mapping[str, Any]) -> dict[str, Any]:
 def make_sampler(search: Search, space: Mapping[str, Any], slot: int) -> Any:
     """Slot ``slot``'s sampler: seeded apart from the other slots', so that tasks that
     start together do not draw the same options (a grid's points go by trial number)."""
-    samplers, seed = optuna_module().samplers, search.seed + slot
+    samplers = optuna_module().samplers
+    # the seed and the slot, mixed: seeds 0 and 1 share no slot's draws
+    seed = int.from_bytes(hashlib.sha256(f"{search.seed}:{slot}".encode()).digest()[:4], "big")
     if search.sampler == "grid":
         if any(isinstance(entry, dict) and "low" in entry for entry in space.values()):
             raise UserError(

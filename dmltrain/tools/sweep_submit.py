@@ -96,6 +96,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="trials side by side in one array task (one process each; the task's GPUs, "
         "else its CPU threads, split among them; default 1)",
     )
+    sweep.add_argument(
+        "--in-turn",
+        action="store_true",
+        help="with --trials-per-task: the task's trials one after another, each with all of "
+        "its GPUs and threads (a search's later trials learn from its earlier ones)",
+    )
     sweep.add_argument("--dry-run", action="store_true", help="write the script; do not submit")
     submit.add_resources(parser.add_argument_group("each array task's resources"))
 
@@ -111,7 +117,7 @@ def run(
     if args.experiment == "status":
         return status_command(list(flags))
     if args.experiment == "task":  # inside an array task of --trials-per-task T
-        return task_command(list(flags))
+        return task_command(list(flags), args.in_turn)
     if args.experiment == "ask":  # inside an array task of a search
         return ask_command(list(flags))
     fixed = list(flags)
@@ -121,7 +127,9 @@ def run(
         raise UserError("dmltrain sweep EXPERIMENT --space sweep.yaml: give the options to vary")
     for name in ("trials", "parallel", "trials_per_task"):
         if getattr(args, name) < 1:
-            raise UserError(f"--{name} must be at least 1")
+            raise UserError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.in_turn and args.trials_per_task == 1:
+        raise UserError("--in-turn runs a task's trials one after another: add --trials-per-task T")
     if args.trials_per_task > 1 and args.system == "pbs":
         raise UserError("--trials-per-task is for Slurm arrays; on PBS leave it out")
     if args.trials_per_task > 1 and (args.nodes != 1 or args.tasks_per_node > 1 or args.script):
@@ -249,7 +257,8 @@ def submit_array(sweep: Sweep, left: list[int], args: argparse.Namespace) -> int
         body[1:] = _asked("trial")
     if per_task > 1:
         output = f"{directory}/task-%a-slurm-%A.out"
-        body[1:] = [f'[ $# -gt 0 ] || set -- sweep task "$sweep" "$trial" {per_task}']
+        turn = " --in-turn" if args.in_turn else ""
+        body[1:] = [f'[ $# -gt 0 ] || set -- sweep task "$sweep" "$trial" {per_task}{turn}']
         left = sorted({i // per_task for i in left})
     directive = {"#SBATCH --output=": f"#SBATCH --output={output}"}
     target = _write_script(sweep, args, "slurm", directive, body)
@@ -317,12 +326,14 @@ def _send(sweep: Sweep, command: list[str], what: str, args: argparse.Namespace)
     return 0
 
 
-def task_command(argv: list[str]) -> int:
-    """``dmltrain sweep task DIR K T``: array task K's trials (KT to KT+T-1) not done,
-    side by side, each in its own process with its share of the GPUs (else of the CPU
-    threads). A signal to this process (Slurm's USR1 before the time limit, scancel) is
-    passed on to every trial. Exit status 3 when a trial stopped to go on (the batch
-    script requeues the task; its done trials are not run again), else the first failure's."""
+def task_command(argv: list[str], in_turn: bool = False) -> int:
+    """``dmltrain sweep task DIR K T [--in-turn]``: array task K's trials (KT to KT+T-1)
+    not done, side by side, each in its own process with its share of the GPUs (else of
+    the CPU threads); with ``--in-turn``, one after another with all of them (a search
+    asks each trial's options as it starts it, so the later ones learn from the earlier).
+    A signal to this process (Slurm's USR1 before the time limit, scancel) is passed on to
+    every trial running. Exit status 3 when a trial stopped to go on (the batch script
+    requeues the task; its done trials are not run again), else the first failure's."""
     try:
         directory, task, per_task = Path(argv[0]), int(argv[1]), int(argv[2])
     except (IndexError, ValueError):
@@ -334,22 +345,61 @@ def task_command(argv: list[str]) -> int:
     extra, status_file = _without_status_file(argv[3:])
     sweep = Sweep(directory)
     searching = sweep.searching()
-    trials = [
-        i
-        for i in range(task * per_task, min((task + 1) * per_task, sweep.count()))
-        if (search.ready(sweep, i) is None if searching else sweep.outcome(i) != "done")
-    ]
-    if not trials:
-        return 0
-    try:
-        devices = split_gpus(len(trials))
-    except ValueError as exc:
-        raise UserError(f"--trials-per-task {per_task}: {exc}") from None
-    threads = max(1, physical_cores(cpu_set()) // len(trials))
+
+    def ready(i: int) -> bool:
+        return search.ready(sweep, i) is None if searching else sweep.outcome(i) != "done"
+
     received: list[signal.Signals] = []
     caught = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
     for number in caught:
         signal.signal(number, lambda signum, _frame: received.append(signal.Signals(signum)))
+    slots = range(task * per_task, min((task + 1) * per_task, sweep.count()))
+    trials, ended = [], []
+    if in_turn:
+        for i in slots:
+            if not ready(i):
+                continue
+            trials.append(i)
+            ended += _run_trials(sweep, task, [i], extra, status_file, received)
+            if ended[-1][0] in (EXIT_REQUEUE, EXIT_PEER_LOST):
+                break  # the task requeues; the next job goes on from this trial
+    else:
+        trials = [i for i in slots if ready(i)]
+        ended = _run_trials(sweep, task, trials, extra, status_file, received)
+    if not trials:
+        return 0
+    codes = [code for code, _ in ended]
+    print(f"dmltrain sweep: task {task}: trials {trials} ended with {codes}", flush=True)
+    for trial, code in zip(trials, codes, strict=True):
+        if searching and code not in (0, EXIT_REQUEUE, EXIT_PEER_LOST):
+            search.fail_running(sweep, trial)  # killed: nothing else tells the study
+    status = next((code for code in codes if code), 0)
+    if any(code in (EXIT_REQUEUE, EXIT_PEER_LOST) for code in codes):
+        status = EXIT_REQUEUE
+    if status_file is None:
+        return status
+    write_atomic(status_file, status_record(status, sum(saved for _, saved in ended)))
+    # the batch script reads it there; srun would report a 3 as a failed task
+    return 0 if status == EXIT_REQUEUE else status
+
+
+def _run_trials(
+    sweep: Sweep,
+    task: int,
+    trials: list[int],
+    extra: list[str],
+    status_file: Path | None,
+    received: list[signal.Signals],
+) -> list[tuple[int, int]]:
+    """``trials`` side by side, the GPUs (else the CPU threads) split among them, until
+    all end; each one's status and checkpoints saved (``_trial_status``)."""
+    if not trials:
+        return []
+    try:
+        devices = split_gpus(len(trials))
+    except ValueError as exc:
+        raise UserError(f"--trials-per-task {len(trials)}: {exc}") from None
+    threads = max(1, physical_cores(cpu_set()) // len(trials))
     children = []
     for trial, gpus in zip(trials, devices, strict=True):
         args = [*sweep.args(trial), *extra]
@@ -368,23 +418,10 @@ def task_command(argv: list[str]) -> int:
                 if child.poll() is None:
                     child.send_signal(number)
         time.sleep(0.2)
-    ended = [
+    return [
         _trial_status(child.returncode, status_file, trial)
         for child, trial in zip(children, trials, strict=True)
     ]
-    codes = [code for code, _ in ended]
-    print(f"dmltrain sweep: task {task}: trials {trials} ended with {codes}", flush=True)
-    for trial, code in zip(trials, codes, strict=True):
-        if searching and code not in (0, EXIT_REQUEUE, EXIT_PEER_LOST):
-            search.fail_running(sweep, trial)  # killed: nothing else tells the study
-    status = next((code for code in codes if code), 0)
-    if any(code in (EXIT_REQUEUE, EXIT_PEER_LOST) for code in codes):
-        status = EXIT_REQUEUE
-    if status_file is None:
-        return status
-    write_atomic(status_file, status_record(status, sum(saved for _, saved in ended)))
-    # the batch script reads it there; srun would report a 3 as a failed task
-    return 0 if status == EXIT_REQUEUE else status
 
 
 def ask_command(argv: list[str]) -> int:

@@ -56,6 +56,8 @@ def load(path, name):
         ("lr: [{a: 1}]\n", ["--search", "tpe"], "a search chooses among numbers, strings"),
         (SPACE, ["--pruner", "median"], "--pruner is for a search: add --search tpe"),
         (SPACE, ["--search", "tpe", "--retry-failed", "-1"], "--retry-failed must be 0 or more"),
+        (SPACE, ["--search", "tpe", "--in-turn"], "--in-turn runs a task's trials one after "
+                                                  "another: add --trials-per-task T"),
         ("lr: [0.1, -1]\n", ["--search", "tpe"], "(lr=-1) is refused: --lr must be a positive"),
     ],
 )  # fmt: skip
@@ -85,40 +87,45 @@ def test_a_journal_holding_another_sweeps_study_is_refused(tmp_path):
 
 
 def test_a_local_search_prunes_with_its_own_outcome_and_status_says_so(tmp_path):
-    """6 trials, one at a time (the draws then fixed by the seed): the median pruner (from
-    the 6th trial) stops trial 5, whose learning rate is the lowest, at its first report."""
+    """8 trials, one at a time (the draws then fixed by the seed); the median pruner acts
+    from the 6th: a trial whose report is above the median of the trials before it at the
+    same step stops there."""
     (tmp_path / "sweep.yaml").write_text(SPACE)
-    args = ["sweep", *TINY, "--epochs", "6", *VALIDATED, "--space", "sweep.yaml", "--search",
-            "tpe", "--pruner", "median", "--trials", "6", "--name", "s", "--local"]  # fmt: skip
+    args = ["sweep", *TINY, "--epochs", "4", *VALIDATED, "--space", "sweep.yaml", "--search",
+            "tpe", "--pruner", "median", "--trials", "8", "--name", "s", "--local"]  # fmt: skip
     done = run_cli(*args, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     sweep = tmp_path / "runs" / "s"
-    assert done.stdout.count("complete (exit status 0)") == 5, done.stdout
-    assert "trial 5: pruned (exit status 0)" in done.stdout, done.stdout
-    outcome = json.loads((sweep / "trial-5" / "outcome.json").read_text())
-    assert outcome["status"] == "pruned" and outcome["global_step"] == 4
-    assert (sweep / "trial-5" / "checkpoints" / "latest.pt").is_file()  # kept
-    log = (sweep / "trial-5" / "output.log").read_text()
-    assert "done: pruned by the search (median pruner) at global step 4, val_loss" in log
     study = load(sweep / "study.journal", "s")
-    states = [t.state.name for t in study.trials]
-    assert states == ["COMPLETE"] * 5 + ["PRUNED"]
-    assert [t.user_attrs["slot"] for t in study.trials] == list(range(6))
+    assert [t.user_attrs["slot"] for t in study.trials] == list(range(8))
+    pruned = [t for t in study.trials if t.state.name == "PRUNED"]
+    complete = [t for t in study.trials if t.state.name == "COMPLETE"]
+    assert pruned and len(pruned) + len(complete) == 8, done.stdout
     for t in study.trials:  # a report per validation row, its value the training log's
-        rows = [r for r in _log(sweep / f"trial-{t.user_attrs['slot']}") if "val_loss" in r]
+        rows = [r for r in _log(sweep / f"trial-{t.number}") if "val_loss" in r]
         assert t.intermediate_values == {int(r["step"]): pytest.approx(r["val_loss"]) for r in rows}
+    for t in pruned:
+        stop = max(t.intermediate_values)
+        assert f"trial {t.number}: pruned (exit status 0)" in done.stdout, done.stdout
+        outcome = json.loads((sweep / f"trial-{t.number}" / "outcome.json").read_text())
+        assert outcome["status"] == "pruned" and outcome["global_step"] == stop
+        assert (sweep / f"trial-{t.number}" / "checkpoints" / "latest.pt").is_file()  # kept
+        log = (sweep / f"trial-{t.number}" / "output.log").read_text()
+        assert f"done: pruned by the search (median pruner) at global step {stop}, val_loss" in log
+        assert stop < t.user_attrs["planned_steps"]
 
     status = run_cli("sweep", "status", "runs/s", cwd=tmp_path)
     assert status.returncode == 0, status.stderr
     lines = status.stdout.splitlines()
     assert lines[0].split() == ["trial", "number", "state", "lr", "batch_size", "val_loss", "steps"]
-    assert lines[6].split()[2] == "pruned" and lines[6].split()[-1] == "4"
-    assert lines[7] == "dmltrain sweep: 5 complete, 1 pruned"
-    best = min(study.trials[:5], key=lambda t: t.value)
-    assert lines[8].startswith(f"dmltrain sweep: best trial {best.user_attrs['slot']} (val_loss")
-    planned = study.trials[5].user_attrs["planned_steps"]
-    assert re.match(rf"dmltrain sweep: pruning saved {planned - 4} of \d+ steps", lines[9])
-    assert (sweep / "trials.csv").read_text().count(",pruned,") == 1
+    assert [line.split()[2] for line in lines[1:9]] == [t.state.name.lower() for t in study.trials]
+    counts = lines[9].removeprefix("dmltrain sweep: ").split(", ")
+    assert sorted(counts) == [f"{len(complete)} complete", f"{len(pruned)} pruned"], lines[9]
+    best = min(complete, key=lambda t: t.value)
+    assert lines[10].startswith(f"dmltrain sweep: best trial {best.number} (val_loss")
+    saved = sum(t.user_attrs["planned_steps"] - max(t.intermediate_values) for t in pruned)
+    assert re.match(rf"dmltrain sweep: pruning saved {saved} of \d+ steps", lines[11]), lines
+    assert (sweep / "trials.csv").read_text().count(",pruned,") == len(pruned)
 
     plotted = run_cli("plot", "runs/s", cwd=tmp_path)
     assert plotted.returncode == 0, plotted.stderr
@@ -126,7 +133,7 @@ def test_a_local_search_prunes_with_its_own_outcome_and_status_says_so(tmp_path)
         assert (sweep / f"{name}.png").stat().st_size > 10_000, name
     again = run_cli(*args, cwd=tmp_path)
     assert again.returncode == 0 and "every trial is done; nothing to run" in again.stdout
-    assert len(load(sweep / "study.journal", "s").trials) == 6  # nothing more asked
+    assert len(load(sweep / "study.journal", "s").trials) == 8  # nothing more asked
 
 
 def test_a_grid_search_runs_each_point_once(tmp_path):
@@ -138,6 +145,46 @@ def test_a_grid_search_runs_each_point_once(tmp_path):
     study = load(tmp_path / "runs" / "g" / "study.journal", "g")
     points = {(t.params["lr"], t.params["batch_size"]) for t in study.trials}
     assert points == {(0.001, 8), (0.001, 16), (0.01, 8), (0.01, 16)}
+
+
+@pytest.mark.parametrize("name, first_rung", [("asha", 10), ("hyperband", 3)])
+def test_asha_and_hyperband_rungs_fall_at_shares_of_the_trials_steps(name, first_rung):
+    """A trial of 90 planned steps, worse than 3 finished ones: ASHA judges it first at
+    90 // 9 steps (and stops it), Hyperband's first bracket at 90 // 27; not before
+    (Optuna's own ASHA would at step 1)."""
+    from dmltrain.features.search import make_pruner
+
+    pruner = make_pruner(name, 90)
+    study = optuna.create_study(pruner=pruner, sampler=optuna.samplers.RandomSampler(0))
+    for _ in range(3):
+        good = study.ask()
+        for step in range(1, 91):
+            good.report(0.0, step)
+            good.should_prune()  # each rung records its value
+        study.tell(good, 0.0)
+    bad = study.ask()
+    decisions = {}
+    for step in range(1, first_rung + 1):
+        bad.report(1.0, step)
+        decisions[step] = bad.should_prune()
+    assert not any(decisions[step] for step in range(1, first_rung))
+    if name == "asha":  # Hyperband's later brackets start later, and each its own trials
+        assert decisions[first_rung]
+
+
+def test_a_search_keeps_its_study_in_a_database_given_by_url(tmp_path):
+    """--storage sqlite:///...: the study lives there, not in a journal."""
+    (tmp_path / "sweep.yaml").write_text(SPACE)
+    url = f"sqlite:///{tmp_path / 'studies.db'}"
+    args = ["sweep", *TINY, "--epochs", "1", "--space", "sweep.yaml", "--search", "random",
+            "--trials", "2", "--storage", url, "--name", "db", "--local"]  # fmt: skip
+    done = run_cli(*args, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    study = optuna.load_study(study_name="db", storage=url)
+    assert [t.state.name for t in study.trials] == ["COMPLETE", "COMPLETE"]
+    assert not (tmp_path / "runs" / "db" / "study.journal").exists()
+    status = run_cli("sweep", "status", "runs/db", cwd=tmp_path)
+    assert "dmltrain sweep: 2 complete" in status.stdout, status.stdout
 
 
 def _log(run):
@@ -262,20 +309,25 @@ def test_a_metric_no_validation_reports_fails_the_trial_at_the_first_one(tmp_pat
     assert load(tmp_path / "study.journal", "s").trials[number].state.name == "FAIL"
 
 
-def test_two_trials_packed_in_a_task_are_asked_for_and_run_side_by_side(tmp_path):
+@pytest.mark.parametrize("turn", [[], ["--in-turn"]], ids=["side-by-side", "in-turn"])
+def test_two_trials_of_a_task_are_asked_for_and_run_side_by_side_or_in_turn(tmp_path, turn):
     """``dmltrain sweep task DIR 0 2`` (what an array task of --trials-per-task 2 runs),
-    started here: it readies both trials of its task, then runs them as two processes."""
+    started here: both trials as two processes at once, or, --in-turn, the second asked
+    for and started once the first has ended (it learns from the first's reports)."""
     (tmp_path / "sweep.yaml").write_text(SPACE)
-    made = ["sweep", *TINY, "--space", "sweep.yaml", "--search", "random", "--trials", "2",
-            "--trials-per-task", "2", "--name", "p", "--dry-run"]  # fmt: skip
+    made = ["sweep", *TINY, "--space", "sweep.yaml", "--search", "tpe", "--trials", "2",
+            "--trials-per-task", "2", *turn, "--name", "p", "--dry-run"]  # fmt: skip
     assert run_cli(*made, cwd=tmp_path).returncode == 0
-    done = run_cli("sweep", "task", "runs/p", "0", "2", cwd=tmp_path)
+    script = (tmp_path / "runs" / "p" / "sweep-slurm.sh").read_text()
+    assert f'set -- sweep task "$sweep" "$trial" 2{" --in-turn" if turn else ""}\n' in script
+    done = run_cli("sweep", "task", "runs/p", "0", "2", *turn, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "task 0: trials [0, 1] ended with [0, 0]" in done.stdout, done.stdout
     study = load(tmp_path / "runs" / "p" / "study.journal", "p")
-    assert sorted(t.user_attrs["slot"] for t in study.trials) == [0, 1]
-    assert {t.state.name for t in study.trials} == {"COMPLETE"}
-    again = run_cli("sweep", "task", "runs/p", "0", "2", cwd=tmp_path)
+    first, second = sorted(study.trials, key=lambda t: t.user_attrs["slot"])
+    assert {first.state.name, second.state.name} == {"COMPLETE"}
+    assert (second.datetime_start >= first.datetime_complete) == bool(turn)
+    again = run_cli("sweep", "task", "runs/p", "0", "2", *turn, cwd=tmp_path)
     assert again.returncode == 0 and "starts trial" not in again.stdout  # both done
 
 
@@ -383,17 +435,3 @@ def test_a_search_as_a_pbs_array_runs_every_trial(here, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert re.search(r"submitted array job \d+\[\]\.fakepbs \(trials 0-3\)", done.stdout)
     _same_trials(here, tmp_path / "runs" / "pbs")
-
-
-def test_the_search_scripts_pass_shellcheck(tmp_path):
-    require("shellcheck")
-    (tmp_path / "sweep.yaml").write_text(SPACE)
-    base = ["sweep", "tiny", *SEARCH, "--dry-run"]
-    for extra in (["--name", "a"], ["--name", "b", "--trials-per-task", "2"],
-                  ["--name", "c", "--system", "pbs"]):  # fmt: skip
-        done = run_cli(*base, *extra, cwd=tmp_path)
-        assert done.returncode == 0, done.stderr
-    kinds = {"a": "slurm", "b": "slurm", "c": "pbs"}
-    scripts = [tmp_path / "runs" / name / f"sweep-{kind}.sh" for name, kind in kinds.items()]
-    subprocess.run(["shellcheck", *map(str, scripts)], check=True)
-    assert 'asked=$(dmltrain sweep ask "$sweep" "$trial")' in scripts[0].read_text()

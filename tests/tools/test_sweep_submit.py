@@ -140,10 +140,15 @@ def test_a_pbs_array_runs_every_trial_and_a_finished_sweep_starts_nothing(here, 
     assert again.returncode == 0 and "every trial is done; nothing to run" in again.stdout
 
 
-def test_the_array_scripts_pass_shellcheck(tmp_path):
+@pytest.mark.parametrize(
+    "search", [[], ["--search", "random", "--trials", "4"]], ids=["grid", "search"]
+)
+def test_the_array_scripts_pass_shellcheck(tmp_path, search):
+    """A grid's scripts, and a search's (dmltrain/tools/search.py): each task asks for its
+    trial first."""
     require("shellcheck")
     (tmp_path / "sweep.yaml").write_text(SPACE)
-    base = ["sweep", "tiny", "--space", "sweep.yaml", "--dry-run"]
+    base = ["sweep", "tiny", "--space", "sweep.yaml", *search, "--dry-run"]
     for extra in (["--name", "a"], ["--name", "b", "--trials-per-task", "2"],
                   ["--name", "c", "--system", "pbs"]):  # fmt: skip
         done = run_cli(*base, *extra, cwd=tmp_path)
@@ -151,6 +156,9 @@ def test_the_array_scripts_pass_shellcheck(tmp_path):
     kinds = {"a": "slurm", "b": "slurm", "c": "pbs"}
     scripts = [tmp_path / "runs" / name / f"sweep-{kind}.sh" for name, kind in kinds.items()]
     subprocess.run(["shellcheck", *map(str, scripts)], check=True)
+    asked = 'asked=$(dmltrain sweep ask "$sweep" "$trial")'
+    assert (asked in scripts[0].read_text()) == bool(search)
+    assert (asked in scripts[2].read_text()) == bool(search)
     packed = scripts[1].read_text()
     assert 'set -- sweep task "$sweep" "$trial" 2' in packed
     assert "#SBATCH --ntasks-per-node=1" in packed
