@@ -262,7 +262,7 @@ def _lost(run: Path) -> str | None:
     status = None if outcome is None else outcome["status"]
     if status in ("stopped", "lost") or list_checkpoints(run / "checkpoints"):
         return None  # resumed from its checkpoint
-    if status is not None and status not in ("stopped", "lost"):
+    if status is not None:
         return f"ended {status}"
     if (run / "config.yaml").exists():
         return "was lost before its first checkpoint"
