@@ -155,6 +155,11 @@ TOOLS: dict[
         _add_consolidate,
         _consolidate,
     ),
+    "export": (
+        "write a run's final or best weights as one safetensors file (LoRA merged)",
+        lambda parser: _export().add_arguments(parser),
+        lambda args: _export().run(args),
+    ),
     "plot": ("draw a run's loss and metric curves into a PNG", _add_plot, _plot),
     "mlflow-sync": (
         "send what a --tracker mlflow run logged offline to an MLflow tracking store",
@@ -177,6 +182,12 @@ TOOLS: dict[
         lambda args: _doctor().run(args),
     ),
 }
+
+
+def _export() -> Any:
+    from dmltrain.tools import export
+
+    return export
 
 
 def _doctor() -> Any:

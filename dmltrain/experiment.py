@@ -20,7 +20,7 @@ from dmltrain.errors import UserError
 from dmltrain.trainer import BaseTrainer
 
 # dmltrain's own subcommands (dmltrain.cli.TOOLS): no experiment may take their names
-COMMANDS = ("consolidate", "plot", "mlflow-sync", "submit", "sweep", "doctor")
+COMMANDS = ("consolidate", "export", "plot", "mlflow-sync", "submit", "sweep", "doctor")
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,8 @@ from dmltrain.config import TrainConfig
 from dmltrain.data import streams
 from dmltrain.data.batches import StepOutput, split_step_output
 from dmltrain.errors import UserError
-from dmltrain.runtime.strategies import Strategy
+from dmltrain.runtime import finetune
+from dmltrain.runtime.strategies import Strategy, unwrap
 
 
 class TrainerHooks(abc.ABC):
@@ -47,16 +48,18 @@ class TrainerHooks(abc.ABC):
 
     def create_optimizer(self, model: nn.Module) -> Any:
         """The optimizer, or a list of several (each over its own parameters); by default
-        --optimizer over all the model's parameters."""
+        --optimizer over the parameters that train (not --freeze's), a group for each
+        --lr-scale."""
         cfg = self.config
-        params = list(model.parameters())
+        groups = finetune.param_groups(unwrap(model), cfg.lr, cfg.lr_scale)
+        params = [p for group in groups for p in group["params"]]
         # fused where torch has the kernel: one launch for all the parameters, faster on the
         # CPU too, and it skips a non-finite step on the device (--check-nans, fp16)
         kernels = compat.fused_devices()
         fused = bool(params) and all(p.device.type in kernels for p in params)
         kind = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}.get(cfg.optimizer)
         optimizer_cls = kind or torch.optim.Adam
-        return optimizer_cls(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused or None)
+        return optimizer_cls(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=fused or None)
 
     def create_scheduler(self, optimizer: Any) -> Any:
         """An LR scheduler stepped every epoch (or step, see ``scheduler_interval``), or a

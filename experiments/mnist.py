@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import TensorDataset
 from torch.utils.flop_counter import FlopCounterMode
 
 from dmltrain import BaseTrainer, register_experiment
@@ -32,6 +33,13 @@ class MnistOptions:
             "help": "train on the bundled 5,000-digit sample when full MNIST is missing (else fail)"
         },
     )
+    classes: int = field(
+        default=10,
+        metadata={
+            "help": "train and validate on the digits 0 to N-1 only, with an N-way head "
+            "(a new task to fine-tune on)"
+        },
+    )
     download_timeout: float = field(
         default=30.0, metadata={"help": "seconds to wait for a mirror before trying the next"}
     )
@@ -48,17 +56,25 @@ class MnistOptions:
             from dmltrain import ConfigError
 
             raise ConfigError(f"--download-timeout must be positive (got {self.download_timeout})")
+        if not 2 <= self.classes <= 10:
+            from dmltrain import ConfigError
+
+            raise ConfigError(f"--classes must be 2 to 10 (got {self.classes})")
+        if self.classes != 10 and self.shards:
+            from dmltrain import ConfigError
+
+            raise ConfigError("--classes keeps 10 with --shards (the stream's digits are all kept)")
 
 
 class Net(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, classes: int = 10) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(1, 32, 3)
         self.conv2 = nn.Conv2d(32, 64, 3)
         self.dropout1 = nn.Dropout(0.25)
         self.fc1 = nn.Linear(9216, 128)
         self.dropout2 = nn.Dropout(0.5)
-        self.fc2 = nn.Linear(128, 10)
+        self.fc2 = nn.Linear(128, classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.relu(self.conv1(x))
@@ -73,7 +89,7 @@ class MnistTrainer(BaseTrainer):
     options: MnistOptions
 
     def create_model(self) -> nn.Module:
-        return Net()
+        return Net((self.options or MnistOptions()).classes)
 
     def flops_per_sample(self) -> float:
         """Training FLOPs of one digit: the forward's, counted by torch on a model without
@@ -102,6 +118,8 @@ class MnistTrainer(BaseTrainer):
             why,
             warn=self.warn if self.dist.is_main else None,
         )
+        if options.classes != 10:  # the digits below --classes
+            train, test = (_digits_below(d, options.classes) for d in (train, test))
         if options.shards:
             dist = self.dist
             train = mnist_shards.MnistShards(
@@ -123,6 +141,12 @@ class MnistTrainer(BaseTrainer):
         images, _ = batch
         logits = self.model(images)
         return {"digit": logits.argmax(dim=1), "logits": logits}
+
+
+def _digits_below(data: TensorDataset, classes: int) -> TensorDataset:
+    images, labels = data.tensors
+    kept = labels < classes
+    return TensorDataset(images[kept], labels[kept])
 
 
 EXPERIMENT = register_experiment(

@@ -4,12 +4,14 @@ scripts with ``--dry-run``), every flag a page names exists, every YAML block lo
 ``--config``, every Python example is one that tests/test_readme.py runs, the generated
 reference is in sync with the code, and every link between pages resolves."""
 
+import json
 import re
 import shlex
 import subprocess
 import sys
 
 import pytest
+import torch
 from helpers import ROOT, readme_experiment, run_cli
 
 from dmltrain import cli
@@ -252,3 +254,28 @@ def test_the_search_of_sweeps_md_runs_here_and_its_status_and_plots_follow(tmp_p
     assert shown.returncode == 0 and "dmltrain sweep: best trial" in shown.stdout, shown.stdout
     drawn = run_cli(*plot, cwd=tmp_path)
     assert drawn.returncode == 0 and "search_history.png" in drawn.stdout, drawn.stderr
+
+
+def test_the_fine_tuning_page_runs_here_as_written(tmp_path):
+    """docs/fine-tuning.md's commands in order, on the bundled digits: a new head on
+    frozen convolutions, a slower backbone, LoRA and its merged export, and that export
+    loaded back as safetensors."""
+    from dmltrain.checkpoint.storage import load_file
+
+    text = (DOCS / "fine-tuning.md").read_text()
+    blocks = [body for lang, body in FENCE.findall(text) if lang == "bash"]
+    lines = [args for body in blocks for args in command_lines(f"```bash\n{body}```")]
+    assert [args[0] for args in lines] == ["mnist", "mnist", "mnist", "mnist", "export", "mnist"]
+    for args in lines:
+        extra = ["--no-download", "--progress", "off"] if args[0] == "mnist" else []
+        done = run_cli(*args, *extra, cwd=tmp_path, timeout=600)
+        assert done.returncode == 0, (args, done.stderr[-3000:])
+    runs = tmp_path / "runs"
+    before = load_file(runs / "pretrained" / "checkpoints" / "latest.pt")["model"]
+    five = load_file(runs / "five" / "checkpoints" / "latest.pt")["model"]
+    assert all(torch.equal(before[k], five[k]) for k in before if k.startswith("conv"))
+    assert five["fc2.weight"].shape == (5, 128)
+    lora = load_file(runs / "lora" / "checkpoints" / "latest.pt")["model"]
+    assert sorted(lora) == [f"fc{i}.lora_{x}.default.weight" for i in (1, 2) for x in "AB"]
+    report = json.loads((runs / "from-safetensors" / "load_report.json").read_text())
+    assert report["kind"] == "safetensors" and len(report["loaded"]) == 8

@@ -37,6 +37,10 @@ class ModelOptions:
     fused: bool = field(
         default=False, metadata={"help": "--two-optimizers fused (they skip a NaN on the device)"}
     )
+    transformer: bool = field(
+        default=False,
+        metadata={"help": "a small transformer over the features as tokens (LoRA's tests)"},
+    )
 
 
 class WrapperNames(nn.Module):
@@ -74,8 +78,42 @@ class Block(nn.Module):
         return self.dropout(torch.tanh(self.norm(self.linear(x))) * self.scale + self.shift)
 
 
+class Attention(nn.Module):
+    """One transformer block: self-attention over the tokens (q, k, v, o), then an MLP."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(width, width) for _ in range(4))
+        self.norm = nn.LayerNorm(width)
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        weights = torch.softmax(q @ k.transpose(1, 2) / q.shape[-1] ** 0.5, dim=-1)
+        x = self.norm(x + self.o(weights @ v))
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Transformer(nn.Module):
+    """Each feature a token: embedded, two blocks, pooled, one output."""
+
+    def __init__(self, features: int, width: int = 64) -> None:
+        super().__init__()
+        self.embed = nn.Linear(1, width)
+        self.position = nn.Parameter(torch.randn(features, width) * 0.02)
+        self.blocks = nn.Sequential(Attention(width), Attention(width))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x):
+        tokens = self.embed(x.unsqueeze(-1)) + self.position
+        return self.head(self.blocks(tokens).mean(dim=1))
+
+
 def model(features: int, o: ModelOptions) -> tuple[nn.Module, bool]:
-    """The model --wrapper-names, --blocks and --dropout ask for; whether it is --blocks'."""
+    """The model --wrapper-names, --blocks, --transformer and --dropout ask for; whether it
+    is --blocks'."""
+    if o.transformer:
+        return Transformer(features), False
     if o.wrapper_names:
         return WrapperNames(features), False
     if o.blocks:

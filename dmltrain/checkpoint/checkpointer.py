@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from dmltrain.checkpoint import schedules
+from dmltrain.checkpoint import pretrained, schedules
 from dmltrain.checkpoint.handout import hand_out
 from dmltrain.checkpoint.objects import is_uri
 from dmltrain.checkpoint.stateful import ModelShaped, Positioned, Stateful
@@ -146,6 +146,9 @@ class Saved:
     feed: Positioned | None = None  # a training stream's place on each rank
     # model-shaped states by key ("ema": the averaged weights of --ema-decay)
     shaped: Mapping[str, ModelShaped] = field(default_factory=dict)
+    # the model's weights checkpoints leave out: LoRA's frozen base, saved once at the start
+    # (dmltrain.engine.finetuning)
+    base: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -271,7 +274,7 @@ class Checkpointer:
             model_state, optim_state = dcp().get_state_dict(
                 saved.model, dcp_optimizers(saved.optimizers)
             )
-            shards = {"model": model_state, "optimizer": optim_state}
+            shards = {"model": _without(model_state, saved.base), "optimizer": optim_state}
             for key, item in saved.shaped.items():
                 shards[key] = item.shards()
             background = self.store.asynchronous and not must  # the last one is waited for
@@ -287,6 +290,7 @@ class Checkpointer:
         else:
             model_state, optim_state = strategy.full_state(saved.model, saved.optimizers, main)
             if meta is not None:
+                model_state = _without(model_state, saved.base)
                 full = {"model": model_state, "optimizer": optim_state, **meta}
                 try:
                     self.store.save(full, epoch, state.global_step, best, wait=must)
@@ -356,17 +360,7 @@ class Checkpointer:
             path = load_weights
             state = self._weights(path)
             if cfg.ema:  # the averaged weights, as the model's
-                if "ema" not in state and not state.get("ema_sharded"):
-                    raise UserError(
-                        f"--ema: {path} holds no averaged weights (trained without "
-                        "--ema-decay); drop --ema to load its weights"
-                    )
-                if state.get("sharded"):
-                    raise UserError(
-                        f"--ema: {path} is sharded; make one file of its averaged weights "
-                        "first: dmltrain consolidate --ema"
-                    )
-                state = {**state, "model": state["ema"]}
+                state = {**state, "model": pretrained.averaged(state, path)}
             parts = Parts(cfg.load_optimizer, cfg.load_scheduler, cfg.load_scaler, cfg.load_epoch)
             self._load(state, path, parts)
             self.say(f"dmltrain: weights loaded from {load_weights}")
@@ -506,11 +500,12 @@ class Checkpointer:
         # how each group's update runs (fused, foreach...) is this run's, not the file's
         running = [[_execution(g) for g in each.param_groups] for each in saved.optimizers]
         if state.get("sharded"):
-            own = shapes_of(unwrap(saved.model).state_dict())
+            own = _without(shapes_of(unwrap(saved.model).state_dict()), saved.base)
             check_model_fits(own, state["shapes"], path)  # read by load_file
             optimizers = dcp_optimizers(saved.optimizers)
             model_state, optim_state = dcp().get_state_dict(saved.model, optimizers)
-            shards: dict[str, Any] = {"model": model_state}
+            shards: dict[str, Any] = {"model": _without(model_state, saved.base)}
+            options = dcp().StateDictOptions(strict=not saved.base)
             if optimizer:
                 shards["optimizer"] = optim_state
             for key, item in saved.shaped.items():
@@ -523,11 +518,14 @@ class Checkpointer:
                     optimizers,
                     model_state_dict=shards["model"],
                     optim_state_dict=shards["optimizer"],
+                    options=options,
                 )
             else:
-                dcp().set_model_state_dict(saved.model, shards["model"])
+                dcp().set_model_state_dict(saved.model, shards["model"], options=options)
         else:
-            self.strategy.load_full_state(saved.model, saved.optimizers, state, optimizer, path)
+            self.strategy.load_full_state(
+                saved.model, saved.optimizers, state, optimizer, path, saved.base
+            )
         if optimizer:
             self._optimizer_settings(state.get("config", {}).get("train", {}), path)
             for each, groups in zip(saved.optimizers, running, strict=True):
@@ -625,6 +623,13 @@ class Checkpointer:
                 f"{path} holds state for {', '.join(dropped)}, which this run does not have "
                 "(create_callbacks, create_states): it is dropped"
             )
+
+
+def _without(tensors: Any, base: frozenset[str]) -> Any:
+    """A model's state less the ``base`` a checkpoint leaves out (None stays None)."""
+    if not base or tensors is None:
+        return tensors
+    return {key: value for key, value in tensors.items() if key not in base}
 
 
 def _shown(location: str) -> Path | str:

@@ -551,27 +551,36 @@ def load_sharded(path: Path, shards: dict[str, Any], index: Any) -> None:
 def consolidate(source: Path, target: Path, ema: bool = False) -> Path:
     """One ``.pt`` file (this module's format) from a sharded checkpoint directory; with
     ``ema``, its model is the averaged weights (``--ema-decay``), from either kind."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
     if not is_sharded(source) and not (ema and source.is_file()):
         raise UserError(f"{source} is not a sharded checkpoint directory (ckpt-*.dcp)")
+    if target.exists() and target.is_dir():
+        target = target / source.with_suffix(FULL).name
+    state = read_whole(source, ema=ema)
+    atomic_save(state, target)
+    return target
+
+
+def read_whole(source: Path, ema: bool = False, model_only: bool = False) -> dict[str, Any]:
+    """A checkpoint of either kind as a full one holds it: a sharded one's shards read into
+    one state, in this process alone; with ``ema``, its model is the averaged weights.
+    ``model_only``: of a sharded one, the model's shards (or the average's) alone."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
     state = load_file(source)
     if ema and "ema" not in state and not state.get("ema_sharded"):
         raise UserError(f"{source} holds no averaged weights (trained without --ema-decay)")
-    if target.exists() and target.is_dir():
-        target = target / source.with_suffix(FULL).name
     state.pop("index", None)
     if state.pop("sharded", False):
-        tmp = target.with_name(f".{target.name}.tmp-consolidate-{os.getpid()}")
-        try:
-            dcp_to_torch_save(str(source), str(tmp))
-            shards = torch.load(tmp, map_location="cpu", weights_only=True)
-        finally:
-            tmp.unlink(missing_ok=True)
-        state.update(model=shards["model"], optimizer=shards.get("optimizer"))
+        keys = ({"ema"} if ema else {"model"}) if model_only else None
+        shards: dict[str, Any] = {}
+        # as dcp_to_torch_save reads them, without its file: no collective (no_dist)
+        planner = _EmptyStateDictLoadPlanner(keys=keys)
+        _load_state_dict(shards, FileSystemReader(str(source)), planner=planner, no_dist=True)
+        state.update(model=shards.get("model"), optimizer=shards.get("optimizer"))
         if state.pop("ema_sharded", False):  # a full checkpoint's place for it
             state["ema"] = shards["ema"]
     if ema:
         state["model"] = state["ema"]
-    atomic_save(state, target)
-    return target
+    return state

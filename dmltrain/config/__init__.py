@@ -396,7 +396,10 @@ class CheckpointConfig:
     )
     load_weights: str | None = field(
         default=None,
-        metadata={"help": "start from this checkpoint's model weights (a path or a URI)"},
+        metadata={
+            "help": "start from these weights: a dmltrain checkpoint (a path or a URI), a "
+            "state_dict .pt, .safetensors (or a folder of shards), a Lightning .ckpt"
+        },
     )
     load_optimizer: bool = field(
         default=False, metadata={"help": "with --load-weights: also load the optimizer state"}
@@ -456,6 +459,77 @@ class CheckpointConfig:
     def evaluating(self) -> str | None:
         """The checkpoint of an --evaluate or --predict run (no training), or None."""
         return self.evaluate or self.predict
+
+
+@dataclass(frozen=True)
+class FinetuneConfig:
+    """How --load-weights maps onto the model, and what of the model trains
+    (``dmltrain.checkpoint.pretrained``, ``dmltrain.runtime.finetune``)."""
+
+    load_map: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "OLD=NEW: rename the key prefix OLD of --load-weights to NEW "
+            "(several allowed; 'model.=' strips one)"
+        },
+    )
+    load_skip: tuple[str, ...] = field(
+        default=(),
+        metadata={"help": "leave out the keys of --load-weights that match these patterns"},
+    )
+    load_partial: bool = field(
+        default=False,
+        metadata={
+            "help": "with --load-weights: skip keys whose shapes differ or that one side "
+            "lacks (a new head), instead of failing"
+        },
+    )
+    freeze: tuple[str, ...] = field(
+        default=(),
+        metadata={"help": "parameters matching these patterns do not train ('conv*', 'encoder.*')"},
+    )
+    lr_scale: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "PATTERN=FACTOR: those parameters learn at --lr times FACTOR (the default "
+            "optimizers; the first pattern that matches counts)"
+        },
+    )
+    lora_targets: tuple[str, ...] = field(
+        default=(),
+        metadata={"help": "modules (names or patterns) that get LoRA adapters; only they train"},
+    )
+    lora_rank: int = field(default=8, metadata={"help": "the rank of each LoRA adapter"})
+    lora_alpha: float = field(
+        default=16.0, metadata={"help": "LoRA's scale: the update is alpha / rank times B @ A"}
+    )
+    lora_dropout: float = field(
+        default=0.0, metadata={"help": "dropout on the input of each LoRA adapter"}
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("load_map", "load_skip", "freeze", "lr_scale", "lora_targets"):
+            value = getattr(self, name)  # a config file's list, or one pattern
+            object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
+        for rename in self.load_map:
+            check("=" in rename, f"--load-map takes OLD=NEW (got {rename!r})")
+        for scale in self.lr_scale:
+            pattern, _, factor = scale.rpartition("=")
+            check(
+                bool(pattern) and _is_number(factor) and 0 <= float(factor) < math.inf,
+                f"--lr-scale takes PATTERN=FACTOR, a factor >= 0 (got {scale!r})",
+            )
+        check(self.lora_rank >= 1, f"--lora-rank must be at least 1 (got {self.lora_rank})")
+        check(self.lora_alpha > 0, f"--lora-alpha must be positive (got {self.lora_alpha})")
+        check(0 <= self.lora_dropout < 1, "--lora-dropout must be in [0, 1)")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass(frozen=True)
@@ -816,6 +890,7 @@ class TrainConfig:
     numerics: PrecisionConfig = field(metadata={"title": "precision"})
     distributed: DistConfig = field(metadata={"title": "distributed"})
     checkpoint: CheckpointConfig = field(metadata={"title": "checkpointing"})
+    finetune: FinetuneConfig = field(metadata={"title": "fine-tuning"})
     preemption: PreemptionConfig = field(metadata={"title": "preemption"})
     tracking: TrackingConfig = field(metadata={"title": "tracking"})
     monitoring: MonitorConfig = field(metadata={"title": "monitoring"})

@@ -21,13 +21,14 @@ from dmltrain.callback import Callback, Events
 from dmltrain.checkpoint import objects, tiers
 from dmltrain.checkpoint.checkpointer import Checkpointer, Saved
 from dmltrain.checkpoint.storage import CheckpointDir, CheckpointStore
-from dmltrain.config import CheckpointConfig, LoopConfig, per_process_batch
+from dmltrain.config import CheckpointConfig, FinetuneConfig, LoopConfig, per_process_batch
 from dmltrain.config.files import as_plain, to_yaml
 from dmltrain.data import rng, samples, streams
 from dmltrain.data.streams import TrainFeed
 from dmltrain.engine import contract, evaluation, metric_objects
 from dmltrain.engine.budget import Budget, epochs_to_run, total_steps
 from dmltrain.engine.compiling import CompileCache, compile_model
+from dmltrain.engine.finetuning import Adapt
 from dmltrain.engine.loop import before_save, fire, settle
 from dmltrain.engine.nan import NanChecker
 from dmltrain.engine.precision import Precision, set_matmul_precision
@@ -70,7 +71,8 @@ def assemble(run: Run) -> None:
     profiler = _start(run, evaluating=False)
     cfg, loop, dist = trainer.config, trainer.config.loop, trainer.dist
     ema, avg = None, cfg.averaging
-    _model(run)
+    _open_store(run)
+    adapt = _model(run, _adapt(run))
     if avg.ema_decay:
         ema = EMA(unwrap(run.model), avg.ema_decay, avg.ema_warmup_steps, avg.ema_every_steps)
     # best.pt and early stopping follow the average's metric when it is validated
@@ -104,9 +106,13 @@ def assemble(run: Run) -> None:
         states,
         run.feed,
         {} if ema is None else {"ema": ema},
+        adapt.base,
     )
     plain = as_plain(cfg, trainer.options)  # what checkpoints and records hold of the config
-    _restore(run, cfg.checkpoint, saved, plain)
+    restoring = cfg.checkpoint
+    if adapt.source is not None:  # loaded as the model was made
+        restoring = dataclasses.replace(restoring, load_weights=None)
+    _restore(run, restoring, saved, plain)
     run.budget = Budget(
         loop,
         run.state,
@@ -159,7 +165,8 @@ def assemble_evaluation(run: Run) -> None:
     weights, made as training makes them (the same draws); nothing is trained or saved."""
     trainer = run.trainer
     _start(run, evaluating=True)
-    _model(run)
+    _open_store(run)
+    _model(run, None)
     run.best_metric = trainer.config.checkpoint.best_metric
     _compile_data_optimizers(run)
     cfg = trainer.config
@@ -226,14 +233,18 @@ def _start(run: Run, evaluating: bool) -> ProfilerFeature | None:
     return profiler
 
 
-def _model(run: Run) -> None:
-    """``create_model``'s model, placed and wrapped: the same initial weights on every
-    rank; then each rank's own generators (dropout, augmentation)."""
+def _model(run: Run, adapt: Adapt | None) -> Adapt:
+    """``create_model``'s model, adapted for a fine-tune, placed and wrapped: the same
+    initial weights on every rank; then each rank's own generators (dropout,
+    augmentation)."""
     trainer = run.trainer
     cfg, dist = trainer.config, trainer.dist
+    if adapt is None:  # --evaluate, --predict: the checkpoint's weights as they are
+        adapt = _adapt(run, FinetuneConfig())
     torch.manual_seed(cfg.loop.seed)
     run.model = sharding.place(
         trainer.create_model,
+        adapt,
         contract.model,
         trainer.checkpointed_modules,
         lambda model: trainer.strategy.wrap_model(
@@ -246,6 +257,40 @@ def _model(run: Run) -> None:
         trainer.device,
     )
     rng.seed_everything(cfg.loop.seed + dist.rank)
+    return adapt
+
+
+def _adapt(run: Run, finetune: FinetuneConfig | None = None) -> Adapt:
+    """What a fine-tune does to the new model: ``--load-weights`` (unless the run resumes,
+    or goes on with the file's optimizer or counters, which load after the optimizer is
+    made), ``--lora-targets`` and ``--freeze``."""
+    trainer = run.trainer
+    cfg = trainer.config
+    ckpt, finetune = cfg.checkpoint, cfg.finetune if finetune is None else finetune
+    resuming = ckpt.resume != "never" and (
+        ckpt.resume != "auto" or trainer.strategy.broadcast_object(
+            run.store.newest() is not None if trainer.dist.is_main else None
+        )
+    )  # fmt: skip
+    parts = ckpt.load_optimizer or ckpt.load_scheduler or ckpt.load_scaler or ckpt.load_epoch
+    fitted = finetune.load_map or finetune.load_skip or finetune.load_partial
+    if parts and (fitted or finetune.lora_targets):
+        raise UserError(
+            "--load-optimizer, --load-scheduler, --load-scaler and --load-epoch go on with "
+            "a checkpoint of this model as it was; drop them to fine-tune with --load-map, "
+            "--load-skip, --load-partial or --lora-targets"
+        )
+    if finetune.lora_targets and (cfg.averaging.ema_decay or objects.is_uri(cfg.run_dir)):
+        raise UserError(
+            "--lora-targets does not work with --ema-decay or a --run-dir in object storage "
+            "yet: drop one of them"
+        )
+    source = None if resuming or parts else ckpt.load_weights
+    every_rank_reads = trainer.strategy.name == "fsdp" and not cfg.memory.sharded_init
+    say = run.progress.info if trainer.dist.is_main else print_none
+    return Adapt(
+        finetune, source, ckpt.ema, resuming, run.run_dir, trainer.strategy, every_rank_reads, say
+    )
 
 
 def _compile_data_optimizers(run: Run) -> None:
@@ -285,6 +330,20 @@ def _compile_data_optimizers(run: Run) -> None:
 def _restore(run: Run, restoring: CheckpointConfig, saved: Saved, plain: dict[str, Any]) -> None:
     """The checkpointer over the run directory's checkpoints; what ``restoring`` asks for
     loaded (a resume, other weights, or nothing)."""
+    trainer = run.trainer
+    run.checkpointer = Checkpointer(
+        restoring, run.store, saved, trainer.strategy, plain, run.progress.info, trainer.warn
+    )
+    # the listeners as they are when a checkpoint is taken or loaded
+    run.checkpointer.before_save = partial(before_save, run)
+    run.checkpointer.loaded = partial(fire, run, run.events.on_load_checkpoint)
+    run.checkpointer.restore()
+    trainer.strategy.started()
+
+
+def _open_store(run: Run) -> None:
+    """Where this run's checkpoints are: the run directory, object storage, or a node-local
+    tier drained to the run directory."""
     trainer, cfg = run.trainer, run.trainer.config
     store: CheckpointStore
     shared = run.run_dir / "checkpoints"
@@ -305,14 +364,7 @@ def _restore(run: Run, restoring: CheckpointConfig, saved: Saved, plain: dict[st
         )  # fmt: skip
     else:
         store = CheckpointDir(shared, cfg.keep_last, cfg.async_checkpoint)
-    run.checkpointer = Checkpointer(
-        restoring, store, saved, trainer.strategy, plain, run.progress.info, trainer.warn
-    )
-    # the listeners as they are when a checkpoint is taken or loaded
-    run.checkpointer.before_save = partial(before_save, run)
-    run.checkpointer.loaded = partial(fire, run, run.events.on_load_checkpoint)
-    run.checkpointer.restore()
-    trainer.strategy.started()
+    run.store = store
 
 
 def _make_step(run: Run) -> None:

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from dmltrain.checkpoint.checkpointer import Checkpointer
+    from dmltrain.checkpoint.storage import CheckpointStore
     from dmltrain.data.streams import TrainFeed
     from dmltrain.engine.budget import Budget
     from dmltrain.engine.evaluation import Evaluator
@@ -66,6 +67,7 @@ class Run:
     schedulers: tuple[Any, ...]
     state: TrainState  # epoch, steps, best value, log rows (what a checkpoint holds)
     nan_checker: "NanChecker | None"  # --check-nans: settled with the metrics and at saves
+    store: "CheckpointStore"  # where checkpoints are (opened before the model: a resume?)
     checkpointer: "Checkpointer"
     budget: "Budget"  # when the run is done: epochs, steps, time, early stopping
     step_clock: "StepClock"  # each step's time in the loader and in train_step

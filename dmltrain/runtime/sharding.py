@@ -44,6 +44,7 @@ def check(memory: MemoryConfig, strategy: str, world_size: int, device: str) -> 
 
 def place(
     create: Callable[[], nn.Module],
+    adapt: Callable[[nn.Module, bool], nn.Module],
     check_model: Callable[[nn.Module], None],
     checkpointed: Callable[[nn.Module], list[nn.Module]],
     wrap: Callable[[nn.Module], nn.Module],
@@ -53,12 +54,15 @@ def place(
     world_size: int,
     device: torch.device,
 ) -> nn.Module:
-    """The experiment's model built (``create``), checked, its activations checkpointed
+    """The experiment's model built (``create``), adapted (``adapt(model, real)``: a
+    fine-tune's weights, adapters and frozen parts; ``real`` where it has values), checked,
+    its activations checkpointed
     when asked, wrapped by the strategy (``wrap``) and on ``device``: under FSDP's sharded
     initialisation, built on rank 0 alone and sent out shard by shard (on more than one
     rank: one would hold the whole twice)."""
     sharded = memory.sharded_init and strategy == "fsdp" and world_size > 1
     model = build(create, meta=sharded and rank != 0)
+    model = adapt(model, not (sharded and rank != 0))
     check_model(model)
     if sharded:
         check_plain_tensors(model)

@@ -146,9 +146,7 @@ def test_wrong_model_names_keys_and_shapes(tmp_path):
         ),
         TinyOptions(features=5),
     )
-    expected = (
-        r"does not fit this model: shape mismatch: 0.weight \(8, 4\) in checkpoint vs \(8, 5\)"
-    )
+    expected = r"does not fit this model: shape mismatch: 0.weight \(8, 4\) in file vs \(8, 5\)"
     with pytest.raises(UserError, match=expected):
         other.fit()
 
@@ -407,7 +405,9 @@ def test_consolidate_makes_one_plain_file(fsdp_run, tmp_path):
         str(tmp_path / "d"),
         cwd=tmp_path,
     )
-    assert direct.returncode == 0 and "weights loaded from" in direct.stdout, direct.stderr
+    assert direct.returncode == 0 and "(dmltrain checkpoint): loaded 4" in direct.stdout, (
+        direct.stderr
+    )
     wrong = run_cli("consolidate", str(out), cwd=tmp_path)
     assert wrong.returncode == 2 and "is not a sharded checkpoint directory" in wrong.stderr
 

@@ -143,7 +143,7 @@ def test_weights_evaluation_and_plots_from_a_uri_and_file_uris_are_local_paths(s
     tuned = run_cli(*TINY, "--epochs", "1", "--load-weights", uri, "--run-dir",
                     f"file://{tmp_path}/tuned", cwd=tmp_path, **env)  # fmt: skip
     assert tuned.returncode == 0, tuned.stderr[-3000:]
-    assert f"dmltrain: weights loaded from {uri}" in tuned.stdout
+    assert f"dmltrain: weights from {uri} (dmltrain checkpoint): loaded" in tuned.stdout
     assert (tmp_path / "tuned" / "checkpoints" / "latest.pt").is_file()  # file://: a path
     scored = run_cli(*TINY, "--evaluate", uri, "--run-dir", "scored", cwd=tmp_path, **env)
     assert scored.returncode == 0, scored.stderr[-3000:]

@@ -169,12 +169,14 @@ class Strategy:
         state: dict[str, Any],
         optimizer: bool,
         source: Path | str,
+        base: frozenset[str] = frozenset(),
     ) -> None:
         """A full checkpoint's ``model`` (and ``optimizer`` when asked) into this run's,
-        checked against the model first."""
+        checked against the model first; the ``base`` weights are not in it (LoRA's)."""
         inner = unwrap(model)
-        check_model_fits(shapes_of(inner.state_dict()), shapes_of(state["model"]), source)
-        inner.load_state_dict(state["model"])
+        own = {k: v for k, v in shapes_of(inner.state_dict()).items() if k not in base}
+        check_model_fits(own, shapes_of(state["model"]), source)
+        inner.load_state_dict(state["model"], strict=not base)
         if optimizer:
             load_optimizers_state_by_name(inner, optimizers, state["optimizer"], source)
 

@@ -73,9 +73,11 @@ class FSDPStrategy(DDPStrategy):
         state: dict[str, Any],
         optimizer: bool,
         source: Path | str,
+        base: frozenset[str] = frozenset(),
     ) -> None:
-        check_model_fits(shapes_of(unwrap(model).state_dict()), shapes_of(state["model"]), source)
-        options = dcp().StateDictOptions(full_state_dict=True, strict=True)
+        own = {k: v for k, v in shapes_of(unwrap(model).state_dict()).items() if k not in base}
+        check_model_fits(own, shapes_of(state["model"]), source)
+        options = dcp().StateDictOptions(full_state_dict=True, strict=not base)
         dcp().set_model_state_dict(model, state["model"], options=options)
         if optimizer:
             dcp().set_optimizer_state_dict(
