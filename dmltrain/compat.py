@@ -161,18 +161,20 @@ def stop_loader_workers(loader: Any) -> None:
         loader._iterator = None
 
 
-def checkpoint_module(module: nn.Module, recomputing: Callable[[], Any] | None = None) -> None:
+def checkpoint_module(
+    module: nn.Module, contexts: Callable[[], tuple[Any, Any]] | None = None
+) -> None:
     """Recompute ``module``'s activations in the backward, by hooks on the module itself
-    (``torch.distributed._composable.checkpoint``), ``recomputing()`` a context around each
-    recomputation. torch's other way, ``checkpoint_wrapper`` (private too), puts a wrapper
-    in the module's place: an experiment's step that calls the module's own methods would
-    find the wrapper's."""
+    (``torch.distributed._composable.checkpoint``); ``contexts()`` gives a pair of contexts
+    for each forward: one around it, one around its recomputation. torch's other way,
+    ``checkpoint_wrapper`` (private too), puts a wrapper in the module's place: an
+    experiment's step that calls the module's own methods would find the wrapper's."""
     from torch.distributed._composable import checkpoint
 
-    if recomputing is None:
+    if contexts is None:
         checkpoint(module)
     else:
-        checkpoint(module, context_fn=lambda: (contextlib.nullcontext(), recomputing()))
+        checkpoint(module, context_fn=contexts)
 
 
 def fused_devices() -> list[str]:

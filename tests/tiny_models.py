@@ -37,6 +37,10 @@ class ModelOptions:
     fused: bool = field(
         default=False, metadata={"help": "--two-optimizers fused (they skip a NaN on the device)"}
     )
+    spectral: str = field(
+        default="",
+        metadata={"help": "old or new: spectral norm on the first layer (each block's: --blocks)"},
+    )
     transformer: bool = field(
         default=False,
         metadata={"help": "a small transformer over the features as tokens (LoRA's tests)"},
@@ -118,11 +122,23 @@ def model(features: int, o: ModelOptions) -> tuple[nn.Module, bool]:
         return WrapperNames(features), False
     if o.blocks:
         blocks = nn.Sequential(Block(features, o.dropout), Block(8, o.dropout), nn.Linear(8, 1))
+        for block in blocks[:2] if o.spectral else []:
+            _spectral(block.linear, o.spectral)
         return blocks, True
     layers = [nn.Linear(features, 8), nn.Tanh(), nn.Linear(8, 1)]
     if o.dropout:
         layers.insert(2, nn.Dropout(o.dropout))
+    if o.spectral:
+        _spectral(layers[0], o.spectral)
     return nn.Sequential(*layers), False
+
+
+def _spectral(layer: nn.Module, api: str) -> None:
+    """Spectral norm on ``layer`` by torch's old API or its new one (a parametrization)."""
+    if api == "old":
+        nn.utils.spectral_norm(layer)
+    else:
+        nn.utils.parametrizations.spectral_norm(layer)
 
 
 def two_optimizers(model: nn.Module, o: ModelOptions) -> list[torch.optim.Optimizer]:

@@ -1,12 +1,17 @@
 """An exponential moving average of the model's weights (``--ema-decay``).
 
-The average of every floating-point parameter and buffer lives on the model's device
-next to it and is updated after an optimizer step with one ``torch._foreach_lerp_``
-(no Python loop over parameters on the hot path): ``ema += (1 - decay) * (weight -
-ema)``. Until ``--ema-warmup-steps`` it copies the weights instead; it is updated every
-``--ema-every-steps`` steps. Other buffers (counters such as BatchNorm's
-``num_batches_tracked``) are copied. It is in every checkpoint under the model's own
-parameter names, so a resumed run goes on with the same average, bit for bit.
+The average of every floating-point parameter lives on the model's device next to it and
+is updated after an optimizer step with one ``torch._foreach_lerp_`` (no Python loop over
+parameters on the hot path): ``ema += (1 - decay) * (weight - ema)``. Until
+``--ema-warmup-steps`` it copies the weights instead; it is updated every
+``--ema-every-steps`` steps.
+
+Buffers are copied, never averaged: the averaged model uses the live one's. A module that
+updates a buffer in its forward keeps it consistent that way: spectral norm's
+power-iteration vectors (``weight_u``/``weight_v``, ``parametrizations.*._u``/``_v``) must
+stay unit vectors, which an average of them is not; batch norm's running statistics and
+counters are the live model's too. The average is in every checkpoint under the model's
+own parameter names, so a resumed run goes on with the same average, bit for bit.
 
 Under FSDP each rank averages its own shard of each parameter (the local tensor of the
 ``DTensor``); a sharded checkpoint holds every rank's shards of it (``shards``), a full one
@@ -26,11 +31,7 @@ from dmltrain import compat
 class EMA:
     def __init__(self, model: nn.Module, decay: float, warmup_steps: int, every_steps: int):
         self.decay, self.warmup_steps, self.every_steps = decay, warmup_steps, every_steps
-        named = [
-            (n, t)
-            for n, t in [*model.named_parameters(), *model.named_buffers()]
-            if t.is_floating_point()
-        ]
+        named = [(n, t) for n, t in model.named_parameters() if t.is_floating_point()]
         self.names = [name for name, _ in named]
         # FSDP's DTensor (None otherwise): its mesh and placements gather and shard the average
         self.sharded: list[Any] = [
@@ -42,7 +43,7 @@ class EMA:
             for (_, t), d in zip(named, self.sharded, strict=True)
         ]
         self.average = [t.clone() for t in self.live]
-        self.copied = [(name, t) for name, t in model.named_buffers() if not t.is_floating_point()]
+        self.copied = list(model.named_buffers())
 
     def update(self, global_step: int) -> None:
         """After the optimizer step that made ``global_step``."""

@@ -10,6 +10,7 @@ the whole model (rank 0 on the CPU only, until its shards are sent).
 """
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -99,10 +100,20 @@ def build(create: Callable[[], nn.Module], meta: bool) -> nn.Module:
 def check_plain_tensors(model: nn.Module) -> None:
     """Refuse a tensor kept as a plain attribute of a module: it is neither sent nor
     allocated, so the ranks that built the model on the meta device would have no values."""
+    from torch.nn.utils.spectral_norm import SpectralNorm
+
     for name, module in model.named_modules():
         for attr, value in vars(module).items():
             if isinstance(value, Tensor):
                 where = f"{name}.{attr}" if name else attr
+                hooks = module._forward_pre_hooks.values()
+                if any(isinstance(h, SpectralNorm) and h.name == attr for h in hooks):
+                    raise UserError(
+                        f"{where} is normalised by torch.nn.utils.spectral_norm, which keeps "
+                        "the weight as a plain tensor that FSDP's sharded initialisation "
+                        "cannot send: use torch.nn.utils.parametrizations.spectral_norm, "
+                        "or pass --no-sharded-init"
+                    )
                 raise UserError(
                     f"create_model's model keeps a tensor in {where}, not as a parameter or "
                     "buffer: under FSDP's sharded initialisation the ranks other than 0 would "
@@ -137,8 +148,11 @@ def materialise(model: nn.Module, whole: dict[str, Tensor] | None, device: torch
 
 def checkpoint_activations(modules: list[nn.Module], owner: str) -> None:
     """Recompute each module's activations in the backward (non-reentrant, the RNG state
-    kept, so dropout draws the same masks again; running statistics as the forward left
-    them, so batch norms count each batch once)."""
+    kept, so dropout draws the same masks again). State a forward updates is kept as one
+    forward leaves it: batch norms' running statistics are put back after the
+    recomputation (each batch counted once), and spectral norm's power-iteration vectors
+    before it (the recomputation starts where the forward did, so its weight is the
+    forward's)."""
     if not modules:
         raise UserError(
             f"--activation-checkpointing: {owner} named no modules; return the blocks to "
@@ -146,24 +160,75 @@ def checkpoint_activations(modules: list[nn.Module], owner: str) -> None:
         )
     for module in modules:
         norms = [m for m in module.modules() if getattr(m, "track_running_stats", False)]
-        compat.checkpoint_module(module, _kept(norms) if norms else None)
+        vectors = _power_iteration_vectors(module)
+        compat.checkpoint_module(module, _contexts(norms, vectors) if norms or vectors else None)
 
 
-def _kept(norms: list[nn.Module]) -> Callable[[], Any]:
-    """A context that puts the buffers of ``norms`` back as they were when it ends (read
-    when it starts: a sharded initialisation allocates them after this is made)."""
+def _power_iteration_vectors(module: nn.Module) -> list[tuple[nn.Module, str]]:
+    """Spectral norm's ``u`` and ``v`` buffers under ``module`` (their module and name: a
+    sharded initialisation allocates them later), of either of torch's APIs."""
+    from torch.nn.utils.parametrizations import _SpectralNorm
+    from torch.nn.utils.spectral_norm import SpectralNorm
 
-    @contextlib.contextmanager
-    def keeping() -> Iterator[None]:
-        tensors = [t for norm in norms for t in norm.buffers(recurse=False)]
-        before = [t.clone() for t in tensors]
-        try:
+    found: list[tuple[nn.Module, str]] = []
+    for m in module.modules():
+        if isinstance(m, _SpectralNorm):
+            found += [(m, "_u"), (m, "_v")]
+        for hook in m._forward_pre_hooks.values():
+            if isinstance(hook, SpectralNorm):
+                found += [(m, hook.name + "_u"), (m, hook.name + "_v")]
+    return found
+
+
+def _contexts(norms: list[nn.Module], vectors: list[tuple[nn.Module, str]]) -> Callable[[], Any]:
+    """For each forward, a context around it that keeps the power-iteration vectors as
+    they were before it, and one around its recomputation that starts from them and puts
+    the norms' statistics back when it ends."""
+
+    def pair() -> tuple[Any, Any]:
+        before: list[Tensor] = []
+
+        @contextlib.contextmanager
+        def forward() -> Iterator[None]:
+            before.extend(getattr(m, name).clone() for m, name in vectors)
             yield
-        finally:
-            with torch.no_grad():
-                compat.foreach_copy_(tensors, before)
 
-    return keeping
+        @contextlib.contextmanager
+        def recomputation() -> Iterator[None]:
+            stats = [t for norm in norms for t in norm.buffers(recurse=False)]
+            kept = [t.clone() for t in stats]
+            _copy([getattr(m, name) for m, name in vectors], before)
+            try:
+                yield
+            finally:
+                _copy(stats, kept)
+
+        return forward(), recomputation()
+
+    return pair
+
+
+def _copy(tensors: list[Tensor], values: list[Tensor]) -> None:
+    if tensors:  # torch's foreach ops refuse empty lists
+        with torch.no_grad():
+            compat.foreach_copy_(tensors, values)
+
+
+def power_iteration_in_its_dtype(model: nn.Module) -> None:
+    """Spectral norm (``parametrizations.spectral_norm``) computed in its vectors' dtype:
+    FSDP's mixed precision gathers the weight in bf16 or fp16 but leaves the ``u`` and ``v``
+    buffers in fp32, and torch's power iteration refuses mixed dtypes. The normalised
+    weight goes back in the compute dtype."""
+    from torch.nn.utils.parametrizations import _SpectralNorm
+
+    for module in model.modules():
+        if isinstance(module, _SpectralNorm):
+            module.forward = functools.partial(_in_vectors_dtype, module, type(module).forward)  # type: ignore[method-assign]
+
+
+def _in_vectors_dtype(module: nn.Module, forward: Callable[..., Tensor], weight: Tensor) -> Tensor:
+    vectors = module.get_buffer("_u").dtype
+    return forward(module, weight.to(vectors)).to(weight.dtype)
 
 
 def fsdp_mesh(memory: MemoryConfig, world_size: int, device: str) -> Any:

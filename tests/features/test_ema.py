@@ -3,12 +3,14 @@ with dropout and augmentation preempted mid-epoch and resumed, equal to an unint
 one bitwise, the average included (under DDP and FSDP); best.pt by the average's
 validation; consolidate --ema and --load-weights --ema."""
 
+import pytest
 import torch
-from helpers import AT_ONCE, RANDOM, assert_same_run, log_numbers, run_cli
+from helpers import AT_ONCE, RANDOM, TINY, assert_same_run, log_numbers, run_cli
 from torch import nn
 
 from dmltrain.checkpoint.storage import consolidate, list_checkpoints, load_file
 from dmltrain.features.ema import EMA
+from dmltrain.records.training_log import read_training_log
 
 # 2 processes x 4: 12 steps an epoch
 BASE = ["tiny", "--nprocs", "2", "--batch-size", "4", "--epochs", "2", "--save-weights",
@@ -111,3 +113,26 @@ def test_under_fsdp_each_rank_averages_its_shard_and_a_resume_keeps_it(tmp_path)
     assert done.returncode == 0, done.stderr
     model = torch.load(tmp_path / "avg.pt", weights_only=True)["model"]
     assert all(torch.equal(model[k], sharded[k]) for k in sharded)
+
+
+@pytest.mark.parametrize("api", ["old", "new"])
+def test_spectral_norms_vectors_are_copied_so_the_average_validates_like_the_model(tmp_path, api):
+    """An average of power-iteration vectors is no unit vector: the averaged model's sigma
+    would be wrong. Buffers are the live model's, so the average's loss stays in range."""
+    run = tmp_path / "run"
+    args = [*TINY, "--blocks", "--spectral", api, "--ema-decay", "0.99", "--run-dir", str(run)]
+    done = run_cli(*args, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    state = load_file(run / "checkpoints" / "latest.pt")
+    vectors = [k for k in state["model"] if k.endswith(("_u", "_v"))]
+    assert len(vectors) == 4
+    for key in vectors:
+        assert torch.equal(state["ema"][key], state["model"][key]), key
+        assert torch.linalg.vector_norm(state["ema"][key]).item() == pytest.approx(1.0)
+    model = state["model"]
+    averaged = {k for k in model if not torch.equal(state["ema"][k], model[k])}
+    assert averaged and all(k.endswith(("weight", "weight_orig", "original", "bias"))
+                            for k in averaged), averaged  # fmt: skip
+    rows = read_training_log(run / "training_log.csv")
+    live = [r["val_loss"] for r in rows]
+    assert all(r["val_ema_loss"] < 1.2 * max(live) for r in rows), rows

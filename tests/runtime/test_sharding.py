@@ -13,15 +13,17 @@ its sharded checkpoint resumes under FSDP on 2 and DDP on 1. CPU offload needs a
 mocked nowhere; its test runs when one is lent.
 """
 
+import math
 import shutil
 
 import pytest
 import torch
-from helpers import AT_ONCE, RANDOM, TINY, assert_same_run, run_cli
+from helpers import AT_ONCE, RANDOM, TINY, assert_same_run, final_weights, run_cli
 from torch import nn
 
 from dmltrain.config import DistConfig, MemoryConfig
 from dmltrain.errors import UserError
+from dmltrain.records.training_log import read_training_log
 from dmltrain.runtime import sharding
 from dmltrain.runtime.launch import DistInfo
 from dmltrain.runtime.strategies import create_strategy
@@ -199,3 +201,30 @@ def test_cpu_offload_on_a_gpu_trains_like_fsdp(tmp_path):
                        cwd=tmp_path, gpus=True)  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
     assert_same_run(fsdp, offloaded, rel=1e-5)
+
+
+@pytest.mark.parametrize("api", ["old", "new"])
+def test_recomputed_spectral_norm_starts_its_power_iteration_where_the_forward_did(tmp_path, api):
+    """The recomputed forward runs spectral norm's power iteration again: from the vectors
+    the forward started with, so weights, vectors and statistics end bitwise equal."""
+    plain, recomputed = tmp_path / "plain", tmp_path / "recomputed"
+    args = [*BLOCKS, "--spectral", api, "--epochs", "2"]
+    train(plain, *args)
+    train(recomputed, *args, AC)
+    assert_same_run(plain, recomputed)
+    assert any(k.endswith("_u") for k in final_weights(plain))
+
+
+def test_spectral_norm_trains_under_fsdp_in_bf16(tmp_path):
+    """FSDP's mixed precision gathers the weight in bf16, its vectors stay fp32: the power
+    iteration runs in theirs. The old API, a plain tensor, is refused in one line."""
+    run = tmp_path / "run"
+    args = [*TINY, "--spectral", "new", "--strategy", "fsdp", "--precision", "bf16"]
+    done = run_cli(*args, "--nprocs", "2", "--run-dir", str(run), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    losses = [row["train_loss"] for row in read_training_log(run / "training_log.csv")]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    old = run_cli(*TINY, "--spectral", "old", "--strategy", "fsdp", "--nprocs", "2",
+                  "--run-dir", str(tmp_path / "old"), cwd=tmp_path)  # fmt: skip
+    assert old.returncode == 2
+    assert "use torch.nn.utils.parametrizations.spectral_norm" in old.stderr

@@ -47,6 +47,8 @@ class FSDPStrategy(DDPStrategy):
         }
         if self.memory.cpu_offload:
             settings["offload_policy"] = CPUOffloadPolicy()
+        if param_dtype is not None:
+            sharding.power_iteration_in_its_dtype(model)
         for unit in units:
             fully_shard(unit, **settings)
         if not manual or not units:
