@@ -562,7 +562,9 @@ class PreemptionConfig:
     )
     stop_before_end_minutes: float = field(
         default=5.0,
-        metadata={"help": "under Slurm, checkpoint and exit this long before the time limit"},
+        metadata={
+            "help": "under Slurm or PBS, checkpoint and exit this long before the time limit"
+        },
     )
 
     def __post_init__(self) -> None:

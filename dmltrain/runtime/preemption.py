@@ -16,6 +16,7 @@ requeue to the exit status.
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -286,6 +287,27 @@ def slurm_times(job_id: str | None) -> tuple[float, float] | None:
         return None  # unlimited, unknown, or not a Slurm job
 
 
+def pbs_times(job_id: str | None) -> tuple[float, float] | None:
+    """The job's start and end time (seconds since the epoch) from PBS's ``qstat -f``: its
+    walltime limit and the walltime it has used, or None."""
+    if job_id is None or shutil.which("qstat") is None:
+        return None
+    try:
+        out = subprocess.run(
+            ["qstat", "-f", job_id], capture_output=True, text=True, timeout=20
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    limit = re.search(r"^\s*Resource_List\.walltime = (\d+):(\d+):(\d+)\s*$", out, re.M)
+    used = re.search(r"^\s*resources_used\.walltime = (\d+):(\d+):(\d+)\s*$", out, re.M)
+    if limit is None:
+        return None  # not a PBS job, or no walltime
+    seconds = [int(h) * 3600 + int(m) * 60 + int(s) for h, m, s in
+               (limit.groups(), used.groups() if used else ("0", "0", "0"))]  # fmt: skip
+    start = time.time() - seconds[1]
+    return start, start + seconds[0]
+
+
 # A job shorter than --stop-before-end-minutes stops this share of its length before its end.
 SHORT_JOB_SHARE = 0.25
 # The batch scripts' time-limit notice (#SBATCH --signal=USR1@300) comes at once in such a
@@ -305,10 +327,10 @@ class Deadline:
 def stop_deadline(
     job_id: str | None, minutes_before: float, warn: Callable[[str], None]
 ) -> Deadline | None:
-    """When to checkpoint and stop: ``minutes_before`` the Slurm job's time limit, or in a
-    job too short for that, ``SHORT_JOB_SHARE`` of its length before it; None outside
-    Slurm, without a limit, or when that moment has passed already."""
-    times = slurm_times(job_id)
+    """When to checkpoint and stop: ``minutes_before`` the Slurm or PBS job's time limit,
+    or in a job too short for that, ``SHORT_JOB_SHARE`` of its length before it; None
+    outside a batch job, without a limit, or when that moment has passed already."""
+    times = slurm_times(job_id) or pbs_times(job_id)
     if times is None:
         return None
     start, end = times

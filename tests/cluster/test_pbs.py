@@ -101,3 +101,26 @@ def test_submit_pbs_writes_a_filled_in_script_that_runs_to_completion(tiny_refer
     assert [status for _, status in logs] == [0, 0]  # 2 epochs, then the last one
     assert f"resubmitting {run / 'submit-pbs.sh'}" in logs[0][0]
     assert_same_run(tiny_reference, run)
+
+
+def test_a_pbs_job_stops_before_its_walltime_and_the_next_job_goes_on(tiny_reference, tmp_path):
+    """PBS kills a job at its walltime (qsub -l walltime=...): the run reads the limit from
+    qstat -f (faked: 5 min 8 s, none used), checkpoints --stop-before-end-minutes 5 before
+    it, exits 3 and the script submits the next job, which ends the run equal to one
+    never stopped."""
+    env = pbs_env(
+        tmp_path,
+        DMLTRAIN_ARGS=" ".join([*TINY, "--step-sleep", "0.4"]),
+        DMLTRAIN_SCRIPT=str(PBS / "derecho.sh"),
+        FAKE_PBS_WALLTIME="00:05:08",
+    )
+    done = subprocess.run(["qsub", str(PBS / "derecho.sh")], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    logs = job_logs(tmp_path)
+    assert [status for _, status in logs][:2] == [0, 0], logs[-1][0][-3000:]
+    first = logs[0][0]
+    assert "preempted (time limit): checkpoint saved" in first, first[-3000:]
+    assert "checkpoint saved; resubmitting" in first
+    assert "resuming from" in logs[1][0]
+    assert_same_run(tiny_reference, tmp_path / "runs" / "tiny-101")
