@@ -56,6 +56,10 @@ FILES: dict[str, str] = {
     "hang/": "after a hang: rank-N.txt (where each rank was, its stacks) and report.txt; "
     "an earlier job's, once the run resumed: hang-TIME/",
     "nan_report.txt": "when --check-nans found a NaN or Inf",
+    "load_report.json": "from --load-weights: each key loaded, skipped, misshapen, missing "
+    "or unexpected",
+    "base.safetensors": "with --lora-targets: the frozen weights, written once at the start",
+    "model.safetensors": "after dmltrain export RUN_DIR: the run's weights",
     "eval_metrics.json": "from --evaluate CKPT: the val_* and test_* metrics",
     "predictions/": "from --predict CKPT: rank-N.pt and predictions.pt (in dataset order)",
     "training_curves.png": "after dmltrain plot RUN_DIR",

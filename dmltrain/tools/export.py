@@ -14,10 +14,9 @@ from typing import Any
 from torch import Tensor, nn
 
 from dmltrain.checkpoint import pretrained, storage
+from dmltrain.engine.finetuning import BASE
 from dmltrain.errors import UserError
 from dmltrain.runtime import finetune
-
-BASE = "base.safetensors"  # dmltrain.engine.finetuning's
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
