@@ -25,6 +25,7 @@ from dmltrain.checkpoint import objects, storage
 from dmltrain.config import FinetuneConfig
 from dmltrain.errors import UserError, first_line
 from dmltrain.runtime.finetune import matches
+from dmltrain.runtime.model_state import few
 
 FORMATS = (
     "a dmltrain checkpoint, a state_dict saved with torch.save, a .safetensors file, a "
@@ -63,7 +64,7 @@ def read(location: str, scratch: Path, ema: bool = False) -> tuple[Mapping[str, 
         return _safetensors(path), "safetensors"
     state = _torch_load(path)
     if "model" in state and "format_version" in state:
-        return _dmltrain(storage.load_file(path), location, ema)
+        return _dmltrain(storage.checked(state, path), location, ema)
     _refuse_ema(ema, location, True)
     if "pytorch-lightning_version" in state and isinstance(state.get("state_dict"), dict):
         return _tensors(state["state_dict"], location), "Lightning checkpoint"
@@ -195,11 +196,11 @@ def _safetensors_shards(index: Path) -> Lazy:
     files = sorted(set(weight_map.values()))
     missing = [f for f in files if not (index.parent / f).is_file()]
     if missing:
-        raise UserError(f"--load-weights: {index} names shards that are missing: {_few(missing)}")
+        raise UserError(f"--load-weights: {index} names shards that are missing: {few(missing)}")
     weights = Lazy([index.parent / name for name in files])
     absent = sorted(set(weight_map) - set(weights))
     if absent:
-        raise UserError(f"--load-weights: {index} names tensors its shards lack: {_few(absent)}")
+        raise UserError(f"--load-weights: {index} names tensors its shards lack: {few(absent)}")
     return weights
 
 
@@ -235,7 +236,7 @@ class Report:
             ("unexpected", self.unexpected),
         ):
             if names:
-                parts.append(f"{label} {len(names)} ({_few(names, 3)})")
+                parts.append(f"{label} {len(names)} ({few(names, 3)})")
         return f"weights from {self.source} ({self.kind}): {'; '.join(parts)}"
 
     def as_dict(self) -> dict[str, Any]:
@@ -272,7 +273,7 @@ def fit(
     misfits = report.shapes or report.missing or report.unexpected
     if misfits and not finetune.load_partial:
         problems = [
-            f"{label} {_few(names)}"
+            f"{label} {few(names)}"
             for label, names in (
                 ("missing keys", report.missing),
                 ("unexpected keys", report.unexpected),
@@ -298,11 +299,6 @@ def load(model: Any, weights: Mapping[str, Tensor], chosen: dict[str, str]) -> N
 
 def _shape_name(line: str) -> str:
     return line.split(" ", 1)[0]
-
-
-def _few(items: list[str], n: int = 4) -> str:
-    shown = ", ".join(items[:n])
-    return shown + (f" (+{len(items) - n} more)" if len(items) > n else "")
 
 
 def save_safetensors(tensors: Mapping[str, Tensor], path: Path) -> None:

@@ -164,6 +164,12 @@ def load_file(path: Path) -> dict[str, Any]:
         state.update(model=None, optimizer=None, sharded=True, shapes=shapes, index=index)
     else:
         state = _load(path, path)
+    return checked(state, path)
+
+
+def checked(state: dict[str, Any], path: Path) -> dict[str, Any]:
+    """``state``, read from ``path``, once it is known to be a dmltrain checkpoint this
+    dmltrain can read."""
     if "model" not in state:
         raise UserError(f"{path} is not a dmltrain checkpoint (no 'model' entry)")
     if state.get("format_version", 0) > FORMAT_VERSION:

@@ -28,12 +28,7 @@ def freeze(model: nn.Module, patterns: tuple[str, ...]) -> list[str]:
     """The parameters matching ``patterns`` frozen; their names. A pattern that matches no
     parameter is an error: a misspelt one would silently train everything."""
     names = [name for name, _ in model.named_parameters()]
-    for pattern in patterns:
-        if not any(matches(name, [pattern]) for name in names):
-            raise UserError(
-                f"--freeze {pattern!r} matches no parameter of the model; its parameters are "
-                f"named like {', '.join(names[:4])}"
-            )
+    _each_matches("--freeze", patterns, names, "parameter", matches)
     frozen = []
     for name, parameter in model.named_parameters():
         if matches(name, patterns):
@@ -70,13 +65,8 @@ def add_lora(model: nn.Module, finetune: FinetuneConfig) -> nn.Module:
     weight becoming ``NAME.base_layer.weight``); every other parameter frozen."""
     targets = finetune.lora_targets
     named = [name for name, _ in model.named_modules() if name]
-    chosen = [name for name in named if any(fnmatch.fnmatchcase(name, p) for p in targets)]
-    for pattern in targets:
-        if not any(fnmatch.fnmatchcase(name, pattern) for name in named):
-            raise UserError(
-                f"--lora-targets {pattern!r} matches no module of the model; its modules are "
-                f"named like {', '.join(named[:4])}"
-            )
+    _each_matches("--lora-targets", targets, named, "module", _exactly)
+    chosen = [name for name in named if _exactly(name, targets)]
     peft = peft_module()
     try:
         model = peft.inject_adapter_in_model(lora_config(finetune, chosen), model)
@@ -96,20 +86,26 @@ def param_groups(model: nn.Module, lr: float, scales: tuple[str, ...]) -> list[d
     groups: list[dict[str, Any]] = [{"params": [], "lr": lr}]
     groups += [{"params": [], "lr": lr * factor} for _, factor in rules]
     names = [name for name, _ in model.named_parameters()]
-    for pattern, _ in rules:
-        if not any(matches(name, [pattern]) for name in names):
-            raise UserError(
-                f"--lr-scale {pattern!r} matches no parameter of the model; its parameters "
-                f"are named like {', '.join(names[:4])}"
-            )
+    _each_matches("--lr-scale", [p for p, _ in rules], names, "parameter", matches)
     for name, parameter in model.named_parameters():
         if not parameter.requires_grad:
             continue
         place = next((i + 1 for i, (p, _) in enumerate(rules) if matches(name, [p])), 0)
         groups[place]["params"].append(parameter)
-    kept = [group for group in groups if group["params"]]
-    if not kept and names:
-        raise UserError(
-            "every parameter of the model is frozen (--freeze, --lora-targets): nothing trains"
-        )
-    return kept
+    return [group for group in groups if group["params"]]
+
+
+def _exactly(name: str, patterns: Any) -> bool:
+    """Whether a module's own name matches one of ``patterns`` (not a module above it)."""
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def _each_matches(flag: str, patterns: Any, names: list[str], kind: str, match: Any) -> None:
+    """Refuse a pattern that matches none of ``names``: a misspelt one would silently
+    leave the model as it was."""
+    for pattern in patterns:
+        if not any(match(name, [pattern]) for name in names):
+            raise UserError(
+                f"{flag} {pattern!r} matches no {kind} of the model; its {kind}s are named "
+                f"like {', '.join(names[:4])}"
+            )

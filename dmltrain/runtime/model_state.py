@@ -32,16 +32,16 @@ def check_model_fits(
     ]
     problems = []
     if missing:
-        problems.append(f"missing keys {_few(missing)}")
+        problems.append(f"missing keys {few(missing)}")
     if unexpected:
-        problems.append(f"unexpected keys {_few(unexpected)}")
+        problems.append(f"unexpected keys {few(unexpected)}")
     if shapes:
-        problems.append(f"shape mismatch: {_few(shapes)}")
+        problems.append(f"shape mismatch: {few(shapes)}")
     if problems:
         raise UserError(f"checkpoint {source} does not fit this model: {'; '.join(problems)}")
 
 
-def _few(items: list[str], n: int = 4) -> str:
+def few(items: list[str], n: int = 4) -> str:
     shown = ", ".join(items[:n])
     return shown + (f" (+{len(items) - n} more)" if len(items) > n else "")
 
