@@ -348,6 +348,45 @@ def pbs_env(tmp_path: Path, **extra: str) -> dict[str, str]:
 ZARR_STEPS, ZARR_SHAPE = 43, (2, 3, 4)  # make_store's (time, (level, lat, lon))
 
 
+ARCHIVE_LEVELS, ARCHIVE_GRID = (500, 850, 1000), (3, 4)
+
+
+def make_archive(path: Path, steps: int = 50, chunk: int = 7) -> Path:
+    """An ERA5-like archive written by xarray, zarr or netCDF by ``path``'s suffix: t and u
+    on 3 levels, t2m, static lsm and orography; 6-hourly from 2000-01-01, chunks of
+    ``chunk`` steps. Values say where they are: 1000 t + 10 level + cell / 100, u 0.5 and
+    t2m 5 above t; lsm 0 and 1, orography 10 cell."""
+    import numpy as np
+    import pandas as pd
+    import xarray as xr
+
+    cells = np.arange(np.prod(ARCHIVE_GRID)).reshape(ARCHIVE_GRID) / 100
+    t = 1000 * np.arange(steps)[:, None, None, None] + 10 * np.arange(3)[:, None, None] + cells
+    grid, levels = ("lat", "lon"), ("time", "level", "lat", "lon")
+    data = xr.Dataset(
+        {
+            "t": (levels, t.astype("f4")),
+            "u": (levels, (t + 0.5).astype("f4")),
+            "t2m": (("time", *grid), (t[:, 0] + 5).astype("f4")),
+            "lsm": (grid, (np.arange(12).reshape(ARCHIVE_GRID) % 2).astype("f4")),
+            "orography": (grid, (1000 * cells).astype("f4")),
+        },
+        coords={
+            "time": pd.date_range("2000-01-01", periods=steps, freq="6h"),
+            "level": list(ARCHIVE_LEVELS),
+        },
+    )
+    chunks = {"t": (chunk, 3, *ARCHIVE_GRID), "u": (chunk, 3, *ARCHIVE_GRID),
+              "t2m": (chunk, *ARCHIVE_GRID)}  # fmt: skip
+    if path.suffix == ".zarr":
+        encoding = {k: {"chunks": c} for k, c in chunks.items()}
+        data.to_zarr(path, mode="w", encoding=encoding, consolidated=False)
+    else:
+        encoding = {k: {"chunksizes": c} for k, c in chunks.items()}
+        data.to_netcdf(path, engine="h5netcdf", encoding=encoding)
+    return path
+
+
 def make_store(path: Path) -> Path:
     """A zarr store of two variables, t2m and u10, whose values say their time step
     (1000 t + position, u10 0.5 above t2m)."""

@@ -47,7 +47,7 @@ def test_smoke_mode_writes_results_and_plot(tmp_path):
     assert left == []
     results = (tmp_path / "RESULTS.md").read_text()
     for section in ("## Targets", "## overhead", "## startup", "## checkpoint", "## scaling",
-                    "## nan_check", "## threads", "## data_pipeline",
+                    "## nan_check", "## threads", "## data_pipeline", "## archive_read",
                     "## collectives", "## ema", "## big_models", "## ranks",
                     "## step_counts", "## user_runs"):  # fmt: skip
         assert section in results, section

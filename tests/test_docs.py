@@ -43,8 +43,10 @@ EXAMPLES = {
         "test_the_tracker_example_is_named_by_its_entry_point",
     ("launching.md", "## From a notebook to a cluster"):
         "test_the_notebook_example_trains_on_two_processes",
-    ("streaming.md", "## A climate archive in zarr"):
-        "test_the_zarr_example_trains_on_two_processes_with_two_workers_each",
+    ("climate-data.md", "## An archive to try it on"):
+        "data/test_zarr_windows.py::test_the_forecast_example_preempted_on_2_ranks_x_2_workers_resumes_bitwise",
+    ("climate-data.md", "## A forecast model"):
+        "data/test_zarr_windows.py::test_the_forecast_example_preempted_on_2_ranks_x_2_workers_resumes_bitwise",
     ("large-models.md", "## Activation checkpointing"):
         "test_the_large_model_example_trains_in_pairs_of_shards_recomputed",
 }  # fmt: skip
@@ -169,7 +171,11 @@ def test_every_python_example_is_run_by_a_test():
     assert shown == set(EXAMPLES), shown ^ set(EXAMPLES)
     tests = (ROOT / "tests" / "test_readme.py").read_text()
     for runner in EXAMPLES.values():
-        assert runner.startswith("helpers.") or f"def {runner}(" in tests, runner
+        if "::" in runner:  # a test beside the module it proves
+            path, runner = runner.split("::")
+            assert f"def {runner}(" in (ROOT / "tests" / path).read_text(), runner
+        else:
+            assert runner.startswith("helpers.") or f"def {runner}(" in tests, runner
 
 
 def test_the_reference_is_written_from_the_code():

@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from helpers import ROOT, cli_env, make_store, readme_experiment, tensorboard_scalars
+from helpers import ROOT, cli_env, readme_experiment, tensorboard_scalars
 
 from dmltrain import TrainConfig
 from dmltrain.records.training_log import read_training_log
@@ -185,22 +185,6 @@ def test_the_notebook_example_trains_on_two_processes(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "2 2"
     assert (tmp_path / "runs" / "line" / "checkpoints" / "latest.pt").is_file()
-
-
-def test_the_zarr_example_trains_on_two_processes_with_two_workers_each(tmp_path):
-    pytest.importorskip("zarr")
-    (tmp_path / "forecast.py").write_text(block("streaming.md", "## A climate archive in zarr"))
-    store = make_store(tmp_path / "era.zarr")
-    run = tmp_path / "run"
-    done = subprocess.run(
-        ["dmltrain", "forecast.py", "--store", str(store), "--nprocs", "2", "--num-workers",
-         "2", "--steps-per-epoch", "5", "--epochs", "2", "--batch-size", "4", "--run-dir",
-         str(run)],
-        cwd=tmp_path, env=cli_env(), capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = read_training_log(run / "training_log.csv")
-    assert [r["step"] for r in rows] == [5, 10]
 
 
 def test_the_large_model_example_trains_in_pairs_of_shards_recomputed(tmp_path):

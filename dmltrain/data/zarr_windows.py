@@ -1,97 +1,217 @@
-"""Samples of a zarr store read in windows along time, as climate models read their
-(time, level, lat, lon) archives: a stream that shards itself and says where it is.
+"""Samples of a gridded archive in windows along time, as climate models read their
+(time, level, lat, lon) archives: a stream that reads whole chunks, shards itself and says
+where it is.
 
-Sample ``t`` is ``(inputs, target)``: the variables at ``window`` consecutive time steps
-from ``t``, and at ``lead`` steps after the last of them. The store is opened in the
-process that reads it (a loader worker, or the training process with no workers), never
-before: an open store's file handles must not cross a fork. ``dmltrain[zarr]``.
+Sample ``t`` is ``(inputs, target)``: the channels at ``window`` consecutive time steps
+from ``t`` (the static fields appended to each), and at ``lead`` steps after the last of
+them. The archive (``data.archive``) is opened in the process that reads it.
+
+Reading: the time axis is cut in blocks of ``chunks_per_read`` whole chunks. A pass reads
+each block once and serves every window that starts in it (a block's read runs on into
+the next chunk by the window's span). With a seed, the blocks come in a shuffled order
+each pass and the samples of ``shuffle_buffer`` blocks at a time are shuffled together:
+a sample's neighbours in a batch come from a few places in the archive, not from
+anywhere in it as under a full shuffle. ``dmltrain[climate]``.
 """
 
 import random
+import sys
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from dmltrain.data.archive import Archive, ChunkGone, Source
+from dmltrain.data.normalise import Stats, statistics
 from dmltrain.errors import UserError
+
+__all__ = ["ChunkGone", "ZarrWindows"]
+
+Piece = tuple[int, int]  # sample starts first..stop-1 of one block
 
 
 class ZarrWindows(IterableDataset):
-    """``(inputs, target)`` float32 tensors from the arrays ``variables`` of the zarr group
-    at ``path``, each of shape (time, ...) with the same shape: inputs ``(window,
-    variables, ...)``, target ``(variables, ...)``.
+    """``(inputs, target)`` float32 tensors from ``variables`` of ``source`` (``Archive``:
+    a zarr group, a netCDF/HDF5 file or glob, or a function that opens an xarray Dataset):
+    inputs ``(window, channels + static, *grid)``, target ``(channels, *grid)``, or
+    ``(leads, channels, *grid)`` where ``lead`` is a list.
 
-    Rank ``rank`` of ``world_size`` takes every ``world_size``-th sample of each pass
-    (the remainder left out, so every rank has as many); its loader workers deal those out
-    in turn. With ``seed`` each pass is shuffled by (seed, pass); without, samples come in
-    time order. A pass begins with ``set_epoch``. ``state_dict`` says where this worker is
-    in its pass.
+    ``stats``: ``Stats``, or a JSON file of them (computed over this dataset's period and
+    written there where there is none), applied to inputs and targets; None: raw values.
+
+    Rank ``rank`` of ``world_size`` takes an equal share of each pass (the remainder left
+    out; ``drop_remainder=False``: every sample, shares one apart, for validation); its
+    loader workers split it. ``set_epoch`` begins a pass; ``state_dict`` says where this
+    worker is in it. ``shuffle_buffer`` blocks of ``chunks_per_read`` chunks are read and
+    shuffled together (by default, blocks long enough that a window's run into the next
+    chunk adds at most a quarter).
     """
 
     def __init__(
         self,
-        path: str,
+        source: Source,
         variables: str | Sequence[str],
         window: int = 1,
-        lead: int = 1,
+        lead: int | Sequence[int] = 1,
         rank: int = 0,
         world_size: int = 1,
         seed: int | None = None,
+        *,
+        levels: Sequence[Any] | None = None,
+        period: tuple[Any, Any] | None = None,
+        static: Sequence[str] = (),
+        stats: Stats | str | Path | None = None,
+        shuffle_buffer: int = 4,
+        chunks_per_read: int | None = None,
+        drop_remainder: bool = True,
+        time_dim: str = "time",
+        level_dim: str = "level",
     ) -> None:
-        if window < 1 or lead < 1:
+        self.leads = [lead] if isinstance(lead, int) else sorted(set(lead))
+        if window < 1 or not self.leads or min(self.leads) < 1:
             raise UserError(f"ZarrWindows: window and lead must be >= 1 (got {window}, {lead})")
-        self.path = str(path)
-        self.variables = [variables] if isinstance(variables, str) else list(variables)
+        if shuffle_buffer < 1 or (chunks_per_read is not None and chunks_per_read < 1):
+            raise UserError("ZarrWindows: shuffle_buffer and chunks_per_read must be >= 1")
+        self.archive = Archive(source, variables, levels, period, static, time_dim, level_dim)
+        self.path = self.archive.name
         self.window, self.lead = window, lead
         self.rank, self.world_size, self.seed = rank, world_size, seed
+        self.span = window + self.leads[-1]  # the steps one sample reads
+        # a block's read decodes the chunks its last windows run on into: at most a
+        # quarter more than the block by default
+        chunk = self.archive.chunk
+        chunks_per_read = chunks_per_read or 4 * -(-(self.span - 1) // chunk)
+        self.shuffle_buffer, self.block = shuffle_buffer, chunk * chunks_per_read
+        self.drop_remainder = drop_remainder
+        self.channels = self.archive.channels + self.archive.static  # of the inputs
+        self.target_channels = list(self.archive.channels)
         self.epoch = 0  # the pass, for the shuffle
         self.position = 0  # samples of this worker's share of the pass yielded
-        steps = _open(self.path, self.variables, strict=False)[0].shape[0]  # metadata only
-        self.samples = max(steps - window - lead + 1, 0)
+        self.samples = max(self.archive.steps - self.span + 1, 0)
         if self.samples < world_size:
             raise UserError(
-                f"{self.path}: {steps} time steps make {self.samples} sample(s) of window "
-                f"{window} and lead {lead}, fewer than the {world_size} processes"
+                f"{self.path}: {self.archive.steps} time steps make {self.samples} sample(s) "
+                f"of window {window} and lead {max(self.leads)}, fewer than the "
+                f"{world_size} processes"
             )
-        self._arrays: list[Any] | None = None
+        self.stats = (
+            statistics(self.archive, stats) if not isinstance(stats, Stats | None) else stats
+        )
+        self._scale = None if self.stats is None else self.stats.of(self.channels, f" ({stats})")
+        self._static: np.ndarray | None = None
+        self._slots: tuple[list[np.ndarray], ...] = ([], [])  # rows buffers are read into
 
     def __len__(self) -> int:
         """This rank's samples in a pass."""
-        return self.samples // self.world_size
+        lo, hi = self._share(self.rank)
+        return hi - lo
+
+    def _share(self, rank: int) -> tuple[int, int]:
+        """Rank ``rank``'s part of a pass's samples laid end to end: equal parts, the
+        remainder left out (``drop_remainder``), or all of them, parts one apart."""
+        total = self.samples
+        if self.drop_remainder:
+            total -= total % self.world_size
+        return total * rank // self.world_size, total * (rank + 1) // self.world_size
 
     def set_epoch(self, epoch: int) -> None:
         """Begin pass ``epoch`` (dmltrain's loop calls it before each pass). A pass read to
         its end stays there until then: a worker restored at its end yields nothing more."""
         self.epoch, self.position = epoch, 0
 
-    def _mine(self) -> list[int]:
-        """This worker's samples of the pass, in order."""
-        order = list(range(self.samples))
+    # ----- the plan of a pass ---------------------------------------------------------------
+    def blocks(self) -> list[Piece]:
+        """Every block's sample starts, in time order; blocks are on the archive's chunk
+        grid (the period need not start on it)."""
+        start, block = self.archive.start, self.block
+        edges = range(start - start % block, start + self.samples, block)
+        return [(max(e - start, 0), min(e - start + block, self.samples)) for e in edges]
+
+    def pieces(self, worker: int, workers: int) -> list[Piece]:
+        """This worker's pieces of blocks in the pass, in order: the blocks (shuffled by
+        seed and pass) laid end to end and cut in equal shares by rank, then by worker."""
+        blocks = self.blocks()
         if self.seed is not None:
-            random.Random(self.seed * 1_000_003 + self.epoch).shuffle(order)
+            random.Random(self.seed * 1_000_003 + self.epoch).shuffle(blocks)
+        begin, end = self._share(self.rank)
+        lo = begin + (end - begin) * worker // workers
+        hi = begin + (end - begin) * (worker + 1) // workers
+        mine, at = [], 0
+        for first, stop in blocks:
+            a, b = max(first, first + lo - at), min(stop, first + hi - at)
+            if a < b:
+                mine.append((a, b))
+            at += stop - first
+        return mine
+
+    def _order(self, pieces: list[Piece], worker: int, number: int) -> list[int]:
+        """The sample starts of one buffer of ``pieces``: shuffled together with a seed."""
+        starts = [t for first, stop in pieces for t in range(first, stop)]
+        if self.seed is not None:
+            key = f"{self.seed}-{self.epoch}-{self.rank}-{worker}-{number}"
+            random.Random(key).shuffle(starts)
+        return starts
+
+    # ----- reading ------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        ranks = order[self.rank : len(self) * self.world_size : self.world_size]
-        return ranks[worker::workers]
+        pieces = self.pieces(worker, workers)
+        skip = self.position
+        for number, at in enumerate(range(0, len(pieces), self.shuffle_buffer)):
+            buffer = pieces[at : at + self.shuffle_buffer]
+            size = sum(stop - first for first, stop in buffer)
+            if skip >= size:
+                skip -= size
+                continue
+            rows = {p[0]: self._rows(number, i, *p) for i, p in enumerate(buffer)}
+            owner = {t: first for first, stop in buffer for t in range(first, stop)}
+            for t in self._order(buffer, worker, number)[skip:]:
+                self.position += 1
+                yield self._sample(rows[owner[t]], t - owner[t])
+            skip = 0
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        if self._arrays is None:
-            self._arrays = _open(self.path, self.variables)
-        mine = self._mine()
-        while self.position < len(mine):
-            t = mine[self.position]
-            self.position += 1
-            yield self._sample(t)
-
-    def _sample(self, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        arrays = self._arrays or []
-        inputs = np.stack([a[t : t + self.window] for a in arrays], axis=1)
-        target = np.stack([a[t + self.window + self.lead - 1] for a in arrays], axis=0)
-        return torch.from_numpy(inputs.astype(np.float32)), torch.from_numpy(
-            target.astype(np.float32)
+    def _rows(self, buffer: int, number: int, first: int, stop: int) -> np.ndarray:
+        """Normalised float32 rows of the steps samples first..stop-1 read, static fields
+        appended to each."""
+        rows = self.archive.read(
+            first, stop - 1 + self.span, self._slot(buffer, number, stop - first)
         )
+        if self.archive.static:
+            if self._static is None:
+                self._static = self.archive.read_static()
+            rows[:, len(self.target_channels) :] = self._static
+        if self._scale is not None:
+            shape = (-1, *([1] * (rows.ndim - 2)))
+            rows -= self._scale[0].reshape(shape)
+            rows /= self._scale[1].reshape(shape)
+        return rows
+
+    def _slot(self, buffer: int, number: int, samples: int) -> np.ndarray:
+        """Rows for ``samples`` samples, the ``number``-th piece of a buffer: the memory
+        read into two buffers before, which no sample holds any more (fresh memory's first
+        touch cost as much as decoding into it: benchmarks/findings.md). Otherwise, and
+        at first, new memory."""
+        slots = self._slots[buffer % 2]  # the last buffer's samples may wait in a batch
+        shape = (self.block + self.span - 1, len(self.channels), *self.archive.grid)
+        if number == len(slots):
+            slots.append(np.empty(shape, np.float32))
+        elif sys.getrefcount(slots[number]) > 2:  # a sample's view of it lives on
+            slots[number] = np.empty(shape, np.float32)
+        return slots[number][: samples - 1 + self.span]
+
+    def _sample(self, rows: np.ndarray, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sample at row ``j``: views of the rows, which a batch copies."""
+        inputs = rows[j : j + self.window]
+        last, channels = j + self.window - 1, len(self.target_channels)
+        if isinstance(self.lead, int):
+            target = rows[last + self.lead, :channels]
+        else:
+            target = rows[[last + k for k in self.leads], :channels]
+        return torch.from_numpy(inputs), torch.from_numpy(target)
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position}
@@ -100,64 +220,5 @@ class ZarrWindows(IterableDataset):
         self.epoch, self.position = state["epoch"], state["position"]
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_arrays": None}  # reopened where it is read
-
-
-class ChunkGone(UserError):
-    """A chunk the store held when it was opened is gone (deleted while the run read it)."""
-
-
-# zarr reads a missing chunk as its fill value; these keys are metadata, not chunks
-_METADATA = ("zarr.json", ".zarray", ".zattrs", ".zgroup", ".zmetadata")
-
-
-def _strict(store: Any, path: str) -> Any:
-    """``store``, whose chunks present at opening must stay: zarr would read a chunk
-    deleted since (a scratch purge) as its fill value, and train on zeros. A chunk absent
-    at opening is one zarr left unwritten (all fill value) and reads as such."""
-    from zarr.core.sync import sync
-    from zarr.storage import WrapperStore
-
-    async def keys() -> set[str]:
-        return {key async for key in store.list() if not key.endswith(_METADATA)}
-
-    present = sync(keys())
-
-    class Strict(WrapperStore):
-        async def get(self, key: str, prototype: Any, byte_range: Any = None) -> Any:
-            found = await self._store.get(key, prototype, byte_range)
-            if found is None and key in present:
-                raise ChunkGone(
-                    f"{path}: its chunk {key} is gone since the run opened the store (deleted "
-                    "while the run read it: a scratch purge?); restore the store and run the "
-                    "same command: the checkpoints are intact"
-                )
-            return found
-
-    return Strict(store)
-
-
-def _open(path: str, variables: list[str], strict: bool = True) -> list[Any]:
-    """The arrays ``variables`` of the group at ``path``; ``strict``: read through
-    ``_strict`` (which lists the store's chunks once: not for a look at the metadata)."""
-    try:
-        import zarr
-    except ImportError:
-        raise UserError("ZarrWindows needs zarr: pip install 'dmltrain[zarr]'") from None
-    try:
-        group = zarr.open_group(path, mode="r")
-        if strict:
-            group = zarr.open_group(store=_strict(group.store, path), mode="r")
-    except (FileNotFoundError, ValueError, OSError) as exc:
-        raise UserError(f"{path} is not a zarr group that can be read: {exc}") from None
-    missing = [v for v in variables if v not in group]
-    if missing:
-        raise UserError(f"{path} has no array {', '.join(missing)} (it has {', '.join(group)})")
-    arrays = [group[v] for v in variables]
-    groups = [v for v, a in zip(variables, arrays, strict=True) if not isinstance(a, zarr.Array)]
-    if groups:
-        raise UserError(f"{path}: {', '.join(groups)} is a group, not an array")
-    shapes = {tuple(a.shape) for a in arrays}  # type: ignore[union-attr]
-    if len(shapes) > 1:
-        raise UserError(f"{path}: {', '.join(variables)} differ in shape ({sorted(shapes)})")
-    return arrays
+        # read again where it is read; the rows allocated there
+        return {**self.__dict__, "_static": None, "_slots": ([], [])}
