@@ -8,6 +8,7 @@ hooks (``dmltrain.hooks``), ``config``, ``options``, ``dist``, ``device``, ``str
 ``log_image``, ``validate``, ``evaluate``, ``predict``, ``warn``.
 """
 
+import contextlib
 import functools
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ from dmltrain.config import TrainConfig, per_process_batch
 from dmltrain.engine import fitting, loop
 from dmltrain.engine.precision import check_available
 from dmltrain.engine.run import Run
-from dmltrain.engine.step import ManualStep
+from dmltrain.engine.step import ManualStep, OptimizerStep
 from dmltrain.errors import UserError
 from dmltrain.features import images, profiling
 from dmltrain.hooks import TrainerHooks
@@ -213,6 +214,28 @@ class BaseTrainer(TrainerHooks):
         fp16, shared among an accumulation's micro-batches). With ``optimizer``, only its
         parameters keep them (a generator's loss leaves the discriminator's gradients)."""
         self.__manual("backward").backward(loss, optimizer)
+
+    def backward_early(self, loss: torch.Tensor) -> None:
+        """In ``train_step``: ``loss``, a part of the step's loss, backpropagated now
+        without a gradient sync; the loss ``train_step`` returns is backpropagated after
+        and syncs the sum once (a truncated rollout: ``dmltrain.weather.rollout``). Its
+        forward must run in ``self.no_sync()``."""
+        self.__automatic("backward_early(loss)").backward_early(loss)
+
+    def no_sync(self) -> contextlib.AbstractContextManager[Any]:
+        """In ``train_step``: a context whose forward passes leave gradients unsynchronised,
+        for a step that runs the model several times (a rollout): run all but the last
+        forward in it, and the gradients are synchronised once, by the last backward."""
+        return self.__automatic("no_sync()").no_sync()
+
+    def __automatic(self, what: str) -> OptimizerStep:
+        step = vars(self.__run).get("step")
+        if not isinstance(step, OptimizerStep):
+            raise UserError(
+                f"self.{what} is for the automatic step; with manual_optimization, call "
+                "self.backward(loss)"
+            )
+        return step
 
     def optimizer_step(self, optimizer: Any) -> None:
         """In ``train_step`` with ``manual_optimization``: ``optimizer``'s update, its

@@ -45,6 +45,7 @@ class OptimizerStep:
     grad_norm: Tensor | None = None  # the last step's, before clipping (with --grad-clip)
     # callbacks' on_before_optimizer_step, bound to the trainer: they see final gradients
     before_update: tuple[Callable[[], None], ...] = ()
+    _parts: int = 0  # micro-batches of the step in progress (0: none in progress)
 
     def __post_init__(self) -> None:
         # Worked out once, so the usual step (fp32, one optimizer, a strategy that leaves
@@ -73,15 +74,19 @@ class OptimizerStep:
             optimizer.zero_grad()  # set_to_none is the default
         results = []
         last = len(micro_batches) - 1
-        for i, batch in enumerate(micro_batches):
-            if self._moves:
-                batch = to_device(batch, self.device)
-            if i == last and not self.detect_anomaly:
-                loss, step_metrics = self._forward_backward(batch, last + 1)
-            else:
-                with self._micro_batch_context(last=i == last):
+        self._parts = last + 1
+        try:
+            for i, batch in enumerate(micro_batches):
+                if self._moves:
+                    batch = to_device(batch, self.device)
+                if i == last and not self.detect_anomaly:
                     loss, step_metrics = self._forward_backward(batch, last + 1)
-            results.append((loss.detach(), step_metrics, batch_size_of(batch)))
+                else:
+                    with self._micro_batch_context(last=i == last):
+                        loss, step_metrics = self._forward_backward(batch, last + 1)
+                results.append((loss.detach(), step_metrics, batch_size_of(batch)))
+        finally:
+            self._parts = 0
         if self.on_after_backward is not None:
             self.on_after_backward()
         if self._finals:
@@ -120,7 +125,11 @@ class OptimizerStep:
             batch = to_device(batch, self.device)
         optimizer: Any = self._alone
         optimizer.zero_grad()
-        loss = self.train_step(batch)  # or (loss, metrics)
+        self._parts = 1
+        try:
+            loss = self.train_step(batch)  # or (loss, metrics)
+        finally:
+            self._parts = 0
         step_metrics = None
         if isinstance(loss, tuple):
             loss, step_metrics = split_step_output(loss)
@@ -169,6 +178,32 @@ class OptimizerStep:
                 raise
             raise bad from None
         return loss, step_metrics
+
+    def no_sync(self) -> contextlib.AbstractContextManager[Any]:
+        """Inside ``train_step``: forward passes that leave the gradients unsynchronised
+        (DDP decides at the forward); the step's last one, outside it, syncs them all."""
+        if not self._parts:
+            raise UserError("self.no_sync() is for train_step; it was called outside")
+        return self.strategy.no_sync(self.model)
+
+    def backward_early(self, loss: Tensor) -> None:
+        """A part of the step's loss backpropagated inside ``train_step``, before the rest
+        it returns: scaled and shared among micro-batches as that is, with no gradient
+        sync (the returned loss's backward syncs them all, once)."""
+        if not self._parts:
+            raise UserError("self.backward_early(loss) is for train_step; it was called outside")
+        share = loss / self._parts if self._parts > 1 else loss
+        try:
+            with self.strategy.no_sync(self.model):
+                if self.precision.plain:
+                    share.backward()
+                else:
+                    self.precision.backward(share)
+        except (AttributeError, RuntimeError, TypeError) as exc:
+            bad = contract.loss(loss, exc)
+            if bad is None:
+                raise
+            raise bad from None
 
     def _micro_batch_context(self, last: bool) -> contextlib.ExitStack:
         """Around forward and backward of a micro-batch: no gradient sync before the last

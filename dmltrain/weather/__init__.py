@@ -1,0 +1,1 @@
+"""Weather and climate models' training: autoregressive rollouts (``rollout``)."""
