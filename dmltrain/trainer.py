@@ -12,7 +12,7 @@ import contextlib
 import functools
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -29,6 +29,8 @@ from dmltrain.hooks import TrainerHooks
 from dmltrain.runtime import launch
 from dmltrain.runtime.launch import DistInfo
 from dmltrain.runtime.strategies import create_strategy, unwrap
+
+Step = TypeVar("Step", OptimizerStep, ManualStep)
 
 # the class attributes of TrainerHooks an experiment sets, beside its methods
 _YOURS = frozenset({"name", "scheduler_interval", "manual_optimization"})
@@ -213,44 +215,41 @@ class BaseTrainer(TrainerHooks):
         """In ``train_step`` with ``manual_optimization``: ``loss``'s gradients (scaled with
         fp16, shared among an accumulation's micro-batches). With ``optimizer``, only its
         parameters keep them (a generator's loss leaves the discriminator's gradients)."""
-        self.__manual("backward").backward(loss, optimizer)
+        self.__step(ManualStep, "backward()").backward(loss, optimizer)
 
     def backward_early(self, loss: torch.Tensor) -> None:
         """In ``train_step``: ``loss``, a part of the step's loss, backpropagated now
         without a gradient sync; the loss ``train_step`` returns is backpropagated after
         and syncs the sum once (a truncated rollout: ``dmltrain.weather.rollout``). Its
         forward must run in ``self.no_sync()``."""
-        self.__automatic("backward_early(loss)").backward_early(loss)
+        self.__step(OptimizerStep, "backward_early(loss)").backward_early(loss)
 
     def no_sync(self) -> contextlib.AbstractContextManager[Any]:
         """In ``train_step``: a context whose forward passes leave gradients unsynchronised,
         for a step that runs the model several times (a rollout): run all but the last
         forward in it, and the gradients are synchronised once, by the last backward."""
-        return self.__automatic("no_sync()").no_sync()
-
-    def __automatic(self, what: str) -> OptimizerStep:
-        step = vars(self.__run).get("step")
-        if not isinstance(step, OptimizerStep):
-            raise UserError(
-                f"self.{what} is for the automatic step; with manual_optimization, call "
-                "self.backward(loss)"
-            )
-        return step
+        return self.__step(OptimizerStep, "no_sync()").no_sync()
 
     def optimizer_step(self, optimizer: Any) -> None:
         """In ``train_step`` with ``manual_optimization``: ``optimizer``'s update, its
         gradients averaged over the ranks, unscaled, checked (--check-nans) and clipped
         (--grad-clip); at the last micro-batch of an accumulation, a no-op before it."""
-        self.__manual("optimizer_step").optimizer_step(optimizer)
+        self.__step(ManualStep, "optimizer_step()").optimizer_step(optimizer)
 
-    def __manual(self, what: str) -> ManualStep:
+    def __step(self, kind: type[Step], what: str) -> Step:
+        """The run's step, of the ``kind`` that ``self.WHAT`` is for; else one line."""
         step = vars(self.__run).get("step")
-        if not isinstance(step, ManualStep):
+        if isinstance(step, kind):
+            return step
+        if kind is ManualStep:
             raise UserError(
-                f"self.{what}() needs manual_optimization = True on {type(self).__name__} "
+                f"self.{what} needs manual_optimization = True on {type(self).__name__} "
                 "(then train_step makes its own updates)"
             )
-        return step
+        raise UserError(
+            f"self.{what} is for the automatic step; with manual_optimization, call "
+            "self.backward(loss)"
+        )
 
     def validate(self) -> dict[str, float]:
         """Validation over the ranks' shards, every sample counted once."""

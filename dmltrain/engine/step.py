@@ -166,17 +166,7 @@ class OptimizerStep:
         loss, step_metrics = (
             split_step_output(output) if isinstance(output, tuple) else (output, {})
         )
-        try:  # a bad loss (not a tensor, no grad) fails here, in the division or backward
-            share = loss / micro_batches if micro_batches > 1 else loss
-            if precision.plain:
-                share.backward()
-            else:
-                precision.backward(share)
-        except (AttributeError, RuntimeError, TypeError) as exc:
-            bad = contract.loss(loss, exc)
-            if bad is None:
-                raise
-            raise bad from None
+        _backward(loss, micro_batches, precision)
         return loss, step_metrics
 
     def no_sync(self) -> contextlib.AbstractContextManager[Any]:
@@ -192,18 +182,8 @@ class OptimizerStep:
         sync (the returned loss's backward syncs them all, once)."""
         if not self._parts:
             raise UserError("self.backward_early(loss) is for train_step; it was called outside")
-        share = loss / self._parts if self._parts > 1 else loss
-        try:
-            with self.strategy.no_sync(self.model):
-                if self.precision.plain:
-                    share.backward()
-                else:
-                    self.precision.backward(share)
-        except (AttributeError, RuntimeError, TypeError) as exc:
-            bad = contract.loss(loss, exc)
-            if bad is None:
-                raise
-            raise bad from None
+        with self.strategy.no_sync(self.model):
+            _backward(loss, self._parts, self.precision)
 
     def _micro_batch_context(self, last: bool) -> contextlib.ExitStack:
         """Around forward and backward of a micro-batch: no gradient sync before the last
@@ -214,6 +194,23 @@ class OptimizerStep:
         if self.detect_anomaly:
             stack.enter_context(torch.autograd.detect_anomaly())
         return stack
+
+
+def _backward(loss: Tensor, parts: int, precision: Precision) -> None:
+    """``loss`` shared among ``parts`` micro-batches, backpropagated, scaled by
+    ``precision``; a bad loss (not a tensor, no grad: it fails in the division or the
+    backward) is one line about it."""
+    try:
+        share = loss / parts if parts > 1 else loss
+        if precision.plain:
+            share.backward()
+        else:
+            precision.backward(share)
+    except (AttributeError, RuntimeError, TypeError) as exc:
+        bad = contract.loss(loss, exc)
+        if bad is None:
+            raise
+        raise bad from None
 
 
 def _update(
@@ -353,23 +350,13 @@ class ManualStep:
         n = self._check("backward")
         if self._calls is not None:
             self._calls[0] += 1
-        loss = loss / n if n > 1 else loss
         kept = None
         if optimizer is not None:
             kept = [
                 (p, None if p.grad is None else p.grad.clone()) for p in self._others(optimizer)
             ]
-        try:
-            if self._last:
-                self.precision.backward(loss)
-            else:
-                with self.strategy.no_sync(self.model):
-                    self.precision.backward(loss)
-        except (AttributeError, RuntimeError, TypeError) as exc:
-            bad = contract.loss(loss, exc)
-            if bad is None:
-                raise
-            raise bad from None
+        with contextlib.nullcontext() if self._last else self.strategy.no_sync(self.model):
+            _backward(loss, n, self.precision)
         for param, grad in kept or ():
             param.grad = grad
 
