@@ -5,6 +5,10 @@ The script is a copy of one of the repository's batch scripts (``slurm/*.sh``,
 lines and the training command filled in. It goes into the run directory, so the run
 directory holds what started it and ``sbatch``/``qsub`` of the same file starts it again
 (it resumes the run's latest checkpoint). ``--dry-run`` writes and prints it only.
+
+``--chain N`` submits it N times, each job starting when the one before ended well
+(Slurm ``--dependency=afterok``, PBS ``-W depend=afterok``). A job that stops for its time
+limit saves a checkpoint and ends well, so the chain goes on; a job that fails ends it.
 """
 
 import argparse
@@ -35,6 +39,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("system", choices=sorted(SCRIPTS), help="the batch system")
     parser.add_argument("experiment", help="the experiment to run; its flags follow it")
     add_resources(parser.add_argument_group("resources (the other flags go to the experiment)"))
+    parser.add_argument(
+        "--chain",
+        type=int,
+        default=1,
+        metavar="N",
+        help="submit N jobs, each starting when the one before ended well, all in one run "
+        "(for runs longer than a job may last; default 1)",
+    )
     parser.add_argument(
         "--dry-run", action="store_true", help="write and print the script; do not submit"
     )
@@ -252,6 +264,8 @@ def submit(
 ) -> int:
     """Write the script into the run directory; submit it unless ``--dry-run``."""
     check_flags([args.experiment, *flags])  # bad flags fail here, not in the queue
+    if args.chain < 1:
+        raise UserError(f"--chain {args.chain}: give the number of jobs, 1 or more")
     given = [f for f in flags if f == "--run-dir" or f.startswith("--run-dir=")]
     if given:
         raise UserError("dmltrain submit chooses the run directory; leave out --run-dir")
@@ -259,10 +273,10 @@ def submit(
     run_dir = (Path("runs") / f"{args.experiment}-{stamp}").resolve()
     target = run_dir / f"submit-{args.system}.sh"
     text = render(args, flags, run_dir, target)
-    command = ["sbatch", "--parsable"] if args.system == "slurm" else ["qsub"]
-    if not args.dry_run and shutil.which(command[0]) is None:
+    tool = "sbatch" if args.system == "slurm" else "qsub"
+    if not args.dry_run and shutil.which(tool) is None:
         raise UserError(
-            f"{command[0]} not found: run this on a {args.system} login node, or add --dry-run"
+            f"{tool} not found: run this on a {args.system} login node, or add --dry-run"
         )
     run_dir.mkdir(parents=True, exist_ok=True)
     target.write_text(text)
@@ -271,11 +285,32 @@ def submit(
         check_fits(target, args.queue, sure=not args.dry_run)  # a --dry-run's too
     if args.dry_run:
         print(text, end="")
-        print(f"dmltrain: wrote {target}; submit it with: {command[0]} {target}")
+        print(f"dmltrain: wrote {target}; submit it with: {tool} {target}")
         return 0
+    jobs: list[str] = []
+    for _ in range(args.chain):
+        jobs.append(_submit_one(args.system, target, jobs[-1] if jobs else None, args.chain > 1))
+    what = (
+        f"job {jobs[0]}" if len(jobs) == 1 else f"a chain of {len(jobs)} jobs ({', '.join(jobs)})"
+    )
+    print(f"dmltrain: submitted {what}: {target}; run directory {run_dir}")
+    return 0
+
+
+def _submit_one(system: str, target: Path, after: str | None, chain: bool) -> str:
+    """Submit ``target``; after job ``after`` ended well if given. In a chain the job does
+    not requeue or resubmit itself: the next job of the chain goes on."""
+    if system == "slurm":
+        command = ["sbatch", "--parsable"]
+        if chain:
+            command += ["--export=ALL,DMLTRAIN_REQUEUE=0", "--kill-on-invalid-dep=yes"]
+        if after:
+            command.append(f"--dependency=afterok:{after}")
+    else:
+        command = ["qsub"] + (["-v", "DMLTRAIN_RESUBMIT=0"] if chain else [])
+        if after:
+            command += ["-W", f"depend=afterok:{after}"]
     done = subprocess.run([*command, str(target)], capture_output=True, text=True)
     if done.returncode != 0:
         raise UserError(f"{command[0]} refused the job: {done.stderr.strip() or done.stdout}")
-    job = done.stdout.strip().split(";")[0]
-    print(f"dmltrain: submitted job {job}: {target}; run directory {run_dir}")
-    return 0
+    return done.stdout.strip().split(";")[0]

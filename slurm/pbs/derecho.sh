@@ -105,7 +105,8 @@ status=$?
 # >>> dmltrain block: pbs-resubmit.sh (edit slurm/blocks/pbs-resubmit.sh, then run sync.py)
 # Exit status 3: a checkpoint was saved and there is more to do; 5: a rank or node was
 # lost, the checkpoints are intact. Both submit the job again, which resumes the newest
-# checkpoint (DMLTRAIN_RESUBMIT=0: only print how).
+# checkpoint. In a chain of jobs (`dmltrain submit pbs --chain N` sets DMLTRAIN_RESUBMIT=0)
+# the next job of the chain goes on instead.
 why="checkpoint saved"
 if [ "$status" -eq 5 ]; then
     why="a rank or node was lost, the checkpoints are intact"
@@ -116,7 +117,7 @@ if [ "$status" -eq 3 ]; then
         echo "dmltrain: $why; resubmitting $script"
         qsub -v "DMLTRAIN_RUN_DIR=$run_dir,DMLTRAIN_ENV=${DMLTRAIN_ENV:-},DMLTRAIN_ARGS=$experiment $*" "$script"
     else
-        echo "dmltrain: $why; go on with: qsub -v DMLTRAIN_RUN_DIR=$run_dir,DMLTRAIN_ARGS=\"$experiment $*\" $script"
+        echo "dmltrain: $why; the next job of the chain goes on, if any; else go on with: qsub -v DMLTRAIN_RUN_DIR=$run_dir,DMLTRAIN_ARGS=\"$experiment $*\" $script"
     fi
     exit 0
 fi

@@ -124,3 +124,40 @@ def test_a_pbs_job_stops_before_its_walltime_and_the_next_job_goes_on(tiny_refer
     assert "checkpoint saved; resubmitting" in first
     assert "resuming from" in logs[1][0]
     assert_same_run(tiny_reference, tmp_path / "runs" / "tiny-101")
+
+
+def submit_chain(tmp_path: Path, env: dict[str, str], *flags: str) -> tuple[Path, list]:
+    done = subprocess.run(
+        [sys.executable, "-m", "dmltrain", "submit", "pbs", *flags, "--tasks-per-node", "2"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "submitted a chain of 3 jobs (101.fakepbs, 102.fakepbs, 103.fakepbs)" in done.stdout
+    return Path(re.search(r"run directory (\S+)", done.stdout).group(1)), job_logs(tmp_path)
+
+
+def test_a_chain_goes_on_after_a_job_stops_for_its_walltime(tiny_reference, tmp_path):
+    """dmltrain submit pbs --chain 3: jobs with -W depend=afterok on the one before (the
+    fake qsub runs a job when the one it depends on ended with 0). The first job stops
+    before its walltime (qstat -f faked: 5 min 8 s) with a checkpoint and ends well; the
+    jobs after it go on in the same run directory, none resubmitting itself, and the run
+    ends equal to one never stopped."""
+    env = pbs_env(tmp_path, FAKE_PBS_WALLTIME="00:05:08")
+    run, logs = submit_chain(tmp_path, env, *TINY, "--step-sleep", "0.4", "--chain", "3")
+    assert [status for _, status in logs] == [0, 0, 0], logs[-1][0][-3000:]
+    first = logs[0][0]
+    assert "preempted (time limit): checkpoint saved" in first, first[-3000:]
+    assert "the next job of the chain goes on" in first
+    assert not any("resubmitting" in out for out, _ in logs)
+    assert "resuming from" in logs[1][0]
+    assert_same_run(tiny_reference, run)
+
+
+def test_a_chain_ends_at_a_job_that_fails(tmp_path):
+    """A job that fails (here: its environment cannot be activated) ends the chain: PBS
+    deletes the jobs that depend on it (faked: pbs-ID.deleted)."""
+    env = pbs_env(tmp_path)
+    submit_chain(tmp_path, env, *TINY, "--env", "no-such-env", "--chain", "3")
+    assert int((tmp_path / "pbs-101.status").read_text()) != 0
+    assert not (tmp_path / "pbs-102.status").exists() and (tmp_path / "pbs-102.deleted").exists()
+    assert (tmp_path / "pbs-103.deleted").exists()

@@ -94,6 +94,7 @@ def test_pbs_derecho_select_line(tmp_path):
         (["slurm", "tiny", "--env", "/nonexistent"], "--env /nonexistent: no environment there"),
         (["slurm", "tiny", "--epochs", "-1"], "--epochs"),
         (["slurm", "nosuch"], "nosuch"),
+        (["pbs", "tiny", "--chain", "0"], "--chain 0: give the number of jobs, 1 or more"),
     ],
 )
 def test_bad_input_is_one_line_and_writes_nothing(tmp_path, args, message):
