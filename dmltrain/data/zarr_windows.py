@@ -16,7 +16,7 @@ anywhere in it as under a full shuffle. ``dmltrain[climate]``.
 
 import random
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,11 @@ class ZarrWindows(IterableDataset):
     worker is in it. ``shuffle_buffer`` blocks of ``chunks_per_read`` chunks are read and
     shuffled together (by default, blocks long enough that a window's run into the next
     chunk adds at most a quarter).
+
+    ``ensemble``: the ranks in groups of this many consecutive ranks read the same
+    samples in the same order, as an ensemble whose members are ranks needs (the fair
+    CRPS compares them on the same batch). ``follow`` sends each pass only the leads a
+    rollout schedule uses in it.
     """
 
     def __init__(
@@ -67,6 +72,7 @@ class ZarrWindows(IterableDataset):
         shuffle_buffer: int = 4,
         chunks_per_read: int | None = None,
         drop_remainder: bool = True,
+        ensemble: int = 1,
         time_dim: str = "time",
         level_dim: str = "level",
     ) -> None:
@@ -78,7 +84,15 @@ class ZarrWindows(IterableDataset):
         self.archive = Archive(source, variables, levels, period, static, time_dim, level_dim)
         self.path = self.archive.name
         self.window, self.lead = window, lead
-        self.rank, self.world_size, self.seed = rank, world_size, seed
+        if ensemble < 1 or world_size % ensemble:
+            raise UserError(
+                f"ZarrWindows: ensemble={ensemble} must divide the {world_size} processes"
+            )
+        # the ranks of an ensemble group read as one: rank and world size count groups
+        self.rank, self.world_size = rank // ensemble, world_size // ensemble
+        self.seed = seed
+        self.schedule: Callable[[int], int] | None = None
+        self.steps_per_pass = 0
         self.span = window + self.leads[-1]  # the steps one sample reads
         # a block's read decodes the chunks its last windows run on into: at most a
         # quarter more than the block by default
@@ -91,11 +105,11 @@ class ZarrWindows(IterableDataset):
         self.epoch = 0  # the pass, for the shuffle
         self.position = 0  # samples of this worker's share of the pass yielded
         self.samples = max(self.archive.steps - self.span + 1, 0)
-        if self.samples < world_size:
+        readers = f"{world_size} processes" if ensemble == 1 else f"{self.world_size} groups"
+        if self.samples < self.world_size:
             raise UserError(
                 f"{self.path}: {self.archive.steps} time steps make {self.samples} sample(s) "
-                f"of window {window} and lead {max(self.leads)}, fewer than the "
-                f"{world_size} processes"
+                f"of window {window} and lead {max(self.leads)}, fewer than the {readers}"
             )
         self.stats = (
             statistics(self.archive, stats) if not isinstance(stats, Stats | None) else stats
@@ -121,6 +135,31 @@ class ZarrWindows(IterableDataset):
         """Begin pass ``epoch`` (dmltrain's loop calls it before each pass). A pass read to
         its end stays there until then: a worker restored at its end yields nothing more."""
         self.epoch, self.position = epoch, 0
+
+    def follow(self, schedule: Callable[[int], int], steps_per_pass: int) -> None:
+        """Send each pass targets for the longest rollout ``schedule`` (global step ->
+        forecast steps, as ``RolloutSchedule``) makes in it: the first that many leads.
+        Pass ``e`` is taken to run global steps ``e * steps_per_pass`` to the next pass's
+        first (the optimizer steps a pass makes: samples / batch / accumulation)."""
+        if steps_per_pass < 1:
+            raise UserError(f"ZarrWindows.follow: steps_per_pass must be >= 1 ({steps_per_pass})")
+        if self.leads != list(range(1, len(self.leads) + 1)):
+            raise UserError(f"ZarrWindows.follow: a rollout needs leads 1, 2, ... ({self.lead})")
+        self.schedule, self.steps_per_pass = schedule, steps_per_pass
+
+    def leads_now(self) -> list[int]:
+        """The leads this pass sends."""
+        if self.schedule is None:
+            return self.leads
+        first = self.epoch * self.steps_per_pass
+        steps = range(first, first + self.steps_per_pass + 1)  # + 1: the next pass's first
+        longest = max(self.schedule(step) for step in steps)
+        if longest > len(self.leads):
+            raise UserError(
+                f"the rollout schedule rolls {longest} steps in pass {self.epoch}; "
+                f"ZarrWindows holds {len(self.leads)} leads: give lead=range(1, {longest + 1})"
+            )
+        return self.leads[:longest]
 
     # ----- the plan of a pass ---------------------------------------------------------------
     def blocks(self) -> list[Piece]:
@@ -159,6 +198,7 @@ class ZarrWindows(IterableDataset):
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         info = get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        leads = self.leads_now()
         pieces = self.pieces(worker, workers)
         skip = self.position
         for number, at in enumerate(range(0, len(pieces), self.shuffle_buffer)):
@@ -171,7 +211,7 @@ class ZarrWindows(IterableDataset):
             owner = {t: first for first, stop in buffer for t in range(first, stop)}
             for t in self._order(buffer, worker, number)[skip:]:
                 self.position += 1
-                yield self._sample(rows[owner[t]], t - owner[t])
+                yield self._sample(rows[owner[t]], t - owner[t], leads)
             skip = 0
 
     def _rows(self, buffer: int, number: int, first: int, stop: int) -> np.ndarray:
@@ -203,14 +243,16 @@ class ZarrWindows(IterableDataset):
             slots[number] = np.empty(shape, np.float32)
         return slots[number][: samples - 1 + self.span]
 
-    def _sample(self, rows: np.ndarray, j: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(
+        self, rows: np.ndarray, j: int, leads: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Sample at row ``j``: views of the rows, which a batch copies."""
         inputs = rows[j : j + self.window]
         last, channels = j + self.window - 1, len(self.target_channels)
         if isinstance(self.lead, int):
             target = rows[last + self.lead, :channels]
         else:
-            target = rows[[last + k for k in self.leads], :channels]
+            target = rows[[last + k for k in leads], :channels]
         return torch.from_numpy(inputs), torch.from_numpy(target)
 
     def state_dict(self) -> dict[str, int]:

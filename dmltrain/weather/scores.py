@@ -1,5 +1,6 @@
 """Weather scores: latitude-weighted losses; RMSE and anomaly correlation (ACC) for each
-channel and lead time over a whole validation set; the fair CRPS of an ensemble.
+channel and lead time over a whole validation set; the fair CRPS of an ensemble, whose
+members may be ranks (``ensemble_group``, ``gather_members``).
 
 A grid cell's weight is the cosine of its latitude, normalised to a mean of 1: a cell
 near a pole covers less of the sphere. ``RMSE`` and ``ACC`` are torchmetrics objects
@@ -12,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from dmltrain.errors import UserError
@@ -61,6 +63,48 @@ def fair_crps(ensemble: Tensor, target: Tensor, member_dim: int = 0) -> Tensor:
     rank = rank.reshape(-1, *([1] * (members.ndim - 1)))
     spread = 2 * ((2 * rank - m + 1) * ranked).sum(0)
     return skill - spread / (2 * m * (m - 1))
+
+
+def ensemble_group(size: int) -> dist.ProcessGroup | None:
+    """This rank's group of ``size`` consecutive ranks, one ensemble member each: the
+    ranks ``ZarrWindows(ensemble=size)`` gives the same samples. Every rank calls it, at
+    the same point (in ``configure_model``); None in one process or for ``size`` 1."""
+    if size == 1 or not dist.is_initialized():
+        return None
+    if size < 1 or dist.get_world_size() % size:
+        raise UserError(
+            f"an ensemble of {size} ranks must divide the {dist.get_world_size()} processes"
+        )
+    group, _ = dist.new_subgroups(group_size=size)
+    return group
+
+
+def gather_members(prediction: Tensor, group: dist.ProcessGroup | None) -> Tensor:
+    """``(members, *prediction.shape)``: every rank's prediction in ``group``, in rank
+    order. Gradients flow back to each member's rank; with DDP averaging over all ranks,
+    a step follows the mean over groups of each group's loss, as one process would."""
+    if group is None:
+        return prediction[None]
+    return _Gather.apply(prediction.contiguous(), group)
+
+
+class _Gather(torch.autograd.Function):
+    """All-gather with a backward that sums each member's gradient over the group (an
+    all-reduce, which every backend has; torch's own differentiable gather needs an
+    all-to-all or a reduce-scatter, which Gloo lacks)."""
+
+    @staticmethod
+    def forward(ctx: Any, prediction: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        members = [torch.empty_like(prediction) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(members, prediction, group=group)
+        return torch.stack(members)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[dist.get_rank(ctx.group)], None
 
 
 class _Scores(Metric):

@@ -109,6 +109,24 @@ def test_each_pass_serves_every_sample_once_over_ranks_and_real_loader_workers(t
     assert [len(x) for x in left_out] == [1, 1] and left_out[0] != left_out[1]
 
 
+def test_the_ranks_of_an_ensemble_group_read_the_same_samples(archives):
+    """4 ranks in ensemble groups of 2, each with 2 real loader workers: ranks 0 and 1
+    serve the same samples in the same order, so do ranks 2 and 3; the two groups split
+    the pass between them."""
+    served = []
+    for rank in range(4):
+        windows = ZarrWindows(str(archives["zarr"]), "t", rank=rank, world_size=4, seed=5,
+                              shuffle_buffer=2, chunks_per_read=1, ensemble=2)  # fmt: skip
+        windows.set_epoch(1)
+        served.append([step_of(x) for xs, _ in DataLoader(windows, 4, num_workers=2) for x in xs])
+    assert served[0] == served[1] and served[2] == served[3]
+    assert len(served[0]) == 24 and not set(served[0]) & set(served[2])
+    both = served[0] + served[2]
+    assert len(set(both)) == 48 and set(both) < set(range(49))  # one left over, 2 groups
+    with pytest.raises(UserError, match="ensemble=3 must divide the 4 processes"):
+        ZarrWindows(str(archives["zarr"]), "t", rank=0, world_size=4, ensemble=3)
+
+
 def test_the_shuffle_mixes_blocks_of_a_buffer_and_differs_each_pass(tmp_path):
     store = str(make_archive(tmp_path / "era.zarr", steps=90, chunk=5))
     windows = ZarrWindows(store, "t", seed=3, shuffle_buffer=2, chunks_per_read=1)

@@ -80,6 +80,33 @@ def test_a_rollout_gives_the_gradients_of_the_loop_written_out(truncate):
         rollout(Eager(model), inputs, targets, F.mse_loss, steps=4)
 
 
+def test_the_loader_workers_send_each_pass_the_leads_its_rollouts_use(tmp_path):
+    """ZarrWindows.follow(schedule, steps a pass): pass e sends the leads of the longest
+    rollout of its global steps, through 2 real loader workers; a schedule that outruns
+    the dataset's leads is one line."""
+    from helpers import make_archive
+    from torch.utils.data import DataLoader
+
+    from dmltrain.data.zarr_windows import ZarrWindows
+
+    store = str(make_archive(tmp_path / "era.zarr"))
+    windows = ZarrWindows(store, "t2m", window=2, lead=[1, 2, 3])
+    windows.follow(RolloutSchedule({0: 1, 5: 2, 9: 3}), steps_per_pass=4)
+    sent = []
+    for epoch in range(4):  # steps 0-3, 4-7 (5: 2 steps), 8-11 (9: 3), 12-15
+        windows.set_epoch(epoch)
+        shapes = {tuple(y.shape[1:]) for _, y in DataLoader(windows, 8, num_workers=2)}
+        assert len(shapes) == 1
+        sent.append(shapes.pop()[0])
+    assert sent == [1, 2, 3, 3]
+    _, target = next(iter(windows))
+    assert target[:, 0, 0, 0].tolist() == [2005, 3005, 4005]  # leads 1-3 after step 1
+    windows.follow(RolloutSchedule({0: 1, 8: 4}), steps_per_pass=4)
+    windows.set_epoch(1)
+    with pytest.raises(UserError, match="rolls 4 steps in pass 1; ZarrWindows holds 3 leads"):
+        next(iter(windows))
+
+
 def test_a_schedule_is_a_function_of_the_step():
     schedule = RolloutSchedule({0: 1, 10: 2, 25: 4})
     assert [schedule(s) for s in (0, 9, 10, 24, 25, 10**6)] == [1, 1, 2, 2, 4, 4]

@@ -18,7 +18,9 @@ pytest.importorskip("torchmetrics")
 from dmltrain.weather.scores import (
     ACC,
     RMSE,
+    ensemble_group,
     fair_crps,
+    gather_members,
     latitude_weights,
     weighted_mae,
     weighted_mse,
@@ -121,3 +123,48 @@ def test_rmse_over_two_real_processes_is_the_whole_sets():
     for rank in (0, 1):
         assert out[rank]["t2m_lead2"] == pytest.approx(want[1, 1], rel=1e-12)
         assert out[rank]["t_500_lead1"] == pytest.approx(want[0, 0], rel=1e-12)
+
+
+def _members(model: torch.nn.Module, x: torch.Tensor, rank: int) -> torch.Tensor:
+    """Member ``rank``'s forecast: the model on the batch, plus its own noise."""
+    noise = torch.randn(x.shape[0], 3, generator=torch.Generator().manual_seed(100 + rank))
+    return model(x) + noise
+
+
+def _ensemble_rank(rank: int, port: int, out: dict) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=4)
+    group = ensemble_group(2)
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 3))
+    x, y = torch.randn(2, 6, 4), torch.randn(2, 6, 3)  # a batch for each group of 2
+    members = gather_members(_members(model, x[rank // 2], rank), group)
+    loss = fair_crps(members, y[rank // 2]).mean()
+    loss.backward()
+    out[rank] = [p.grad.clone() for p in model.parameters()], members.detach()
+    dist.destroy_process_group()
+
+
+def test_an_ensemble_of_ranks_trains_as_one_process_would():
+    """4 gloo processes under DDP in 2 ensemble groups of 2: each rank's member is
+    gathered in its group, the fair CRPS of the group's ensemble is its loss. The
+    gradients equal one process's over the mean of the two groups' losses."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = mp.Manager().dict()
+    mp.start_processes(_ensemble_rank, args=(port, out), nprocs=4, start_method="spawn")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    x, y = torch.randn(2, 6, 4), torch.randn(2, 6, 3)
+    losses = []
+    for g in (0, 1):
+        members = torch.stack([_members(model, x[g], rank) for rank in (2 * g, 2 * g + 1)])
+        torch.testing.assert_close(out[2 * g][1], members.detach())
+        torch.testing.assert_close(out[2 * g + 1][1], members.detach())
+        losses.append(fair_crps(members, y[g]).mean())
+    (sum(losses) / 2).backward()
+    for rank in range(4):
+        for got, param in zip(out[rank][0], model.parameters(), strict=True):
+            torch.testing.assert_close(got, param.grad, rtol=1e-5, atol=1e-6)
+    assert gather_members(torch.ones(2), None).shape == (1, 2)  # one process: one member
