@@ -181,6 +181,11 @@ TOOLS: dict[
         lambda parser: _doctor().add_arguments(parser),
         lambda args: _doctor().run(args),
     ),
+    "from-credit": (
+        "turn a CREDIT config's training settings (model.yml) into a dmltrain --config file",
+        lambda parser: _from_credit().add_arguments(parser),
+        lambda args: _from_credit().run(args),
+    ),
 }
 
 
@@ -188,6 +193,12 @@ def _export() -> Any:
     from dmltrain.tools import export
 
     return export
+
+
+def _from_credit() -> Any:
+    from dmltrain.tools import from_credit
+
+    return from_credit
 
 
 def _doctor() -> Any:

@@ -20,7 +20,16 @@ from dmltrain.errors import UserError
 from dmltrain.trainer import BaseTrainer
 
 # dmltrain's own subcommands (dmltrain.cli.TOOLS): no experiment may take their names
-COMMANDS = ("consolidate", "export", "plot", "mlflow-sync", "submit", "sweep", "doctor")
+COMMANDS = (
+    "consolidate",
+    "export",
+    "plot",
+    "mlflow-sync",
+    "submit",
+    "sweep",
+    "doctor",
+    "from-credit",
+)
 
 
 @dataclass(frozen=True)
