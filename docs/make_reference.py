@@ -94,7 +94,7 @@ def bundled() -> list[str]:
         "",
     ]
     found = cli.discover_experiments()
-    for name in ("mnist", "mnist-gan"):
+    for name in ("mnist", "mnist-gan", "forecast"):
         experiment = found[name]
         said = experiment.help[0].upper() + experiment.help[1:] + "."
         lines += [f"### dmltrain {name}", "", said, "", "| flag | type | default | what it does |",

@@ -139,7 +139,7 @@ def flag_names(line: cli.Experiment) -> set[str]:
     commands = next(a for a in parser._actions if hasattr(a, "choices") and a.choices)
     return {
         string
-        for name in ("mnist", "mnist-gan", "line", *cli.TOOLS)
+        for name in ("mnist", "mnist-gan", "forecast", "line", *cli.TOOLS)
         for action in commands.choices[name]._actions
         for string in action.option_strings
         if string.startswith("--")

@@ -87,6 +87,27 @@ def rollout(
             trainer.backward_early(part)
             prediction = prediction.detach()
         early = early + (part.detach() if truncate else part)
-        newest = torch.cat([prediction, static], dim=1) if static.shape[1] else prediction
-        state = torch.cat([state[:, 1:], newest[:, None].to(state.dtype)], dim=1)
+        state = _advance(state, prediction, static)
     raise AssertionError("unreachable")  # pragma: no cover
+
+
+def forecast(
+    model: Callable[[Tensor], Tensor], inputs: Tensor, steps: int, channels: int
+) -> Tensor:
+    """``(batch, steps, channels, *grid)``: ``model`` rolled out ``steps`` steps from
+    ``inputs`` as ``rollout`` rolls it (for validation and scores; no gradient kept when
+    called under ``torch.no_grad``). ``channels``: the channels the model predicts."""
+    static, state, predictions = inputs[:, -1, channels:], inputs, []
+    for _ in range(steps):
+        predictions.append(model(state))
+        state = _advance(state, predictions[-1], static)
+    return torch.stack(predictions, dim=1)
+
+
+def _advance(state: Tensor, prediction: Tensor, static: Tensor) -> Tensor:
+    """The state one step on: the prediction (with the static channels) as its newest step,
+    in the state's dtype (static fields are not rounded to a bf16 prediction's)."""
+    newest = prediction.to(state.dtype)
+    if static.shape[1]:
+        newest = torch.cat([newest, static], dim=1)
+    return torch.cat([state[:, 1:], newest[:, None]], dim=1)
