@@ -2,11 +2,13 @@
 the command would parse it (``--print-config``; ``submit`` and ``sweep`` write their
 scripts with ``--dry-run``), every flag a page names exists, every YAML block loads as
 ``--config``, every Python example is one that tests/test_readme.py runs, the generated
-reference is in sync with the code, and every link between pages resolves."""
+reference is in sync with the code, every link between pages resolves, and no sentence of
+prose runs past 40 words."""
 
 import json
 import re
 import shlex
+import statistics
 import subprocess
 import sys
 
@@ -287,3 +289,59 @@ def test_the_fine_tuning_page_runs_here_as_written(tmp_path):
     assert sorted(lora) == [f"fc{i}.lora_{x}.default.weight" for i in (1, 2) for x in "AB"]
     report = json.loads((runs / "from-safetensors" / "load_report.json").read_text())
     assert report["kind"] == "safetensors" and len(report["loaded"]) == 8
+
+
+LONGEST = 40  # words in a sentence of prose; a list or a table may say more
+LIST_ITEM = re.compile(r"^\s*([-*+]|\d+\.)\s")
+# after . ! ? (not e.g., i.e., etc., vs.), or after a colon before a capital
+SENTENCE_END = re.compile(
+    r"(?<!e\.g\.)(?<!i\.e\.)(?<!etc\.)(?<!vs\.)(?<=[.!?])\s+|(?<=:)\s+(?=[A-Z(\"])"
+)
+
+
+def prose_sentences(text: str) -> list[str]:
+    """The sentences of a page's paragraphs: code blocks, headings, tables and list items
+    left out; a code span counts as one word, a link as its text."""
+    text = re.sub(r"^```.*?^```", "\n", text, flags=re.S | re.M)
+    paragraphs, lines, in_list = [], [], False
+    for line in [*text.splitlines(), ""]:
+        skip = line.lstrip().startswith(("#", "|", "<!--")) or LIST_ITEM.match(line)
+        if not line.strip() or skip or (in_list and line.startswith((" ", "\t"))):
+            paragraphs += [" ".join(lines)] if lines else []
+            lines = []
+            in_list = bool(LIST_ITEM.match(line)) or (in_list and bool(line.strip()))
+            continue
+        in_list = False
+        lines.append(line.strip())
+    sentences = []
+    for paragraph in paragraphs:
+        plain = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", re.sub(r"`[^`]*`", "CODE", paragraph))
+        sentences += [s for s in SENTENCE_END.split(plain) if s.split()]
+    return sentences
+
+
+def test_no_sentence_of_prose_runs_past_40_words(capsys):
+    """Reports each page's sentence lengths (pytest -s shows them); fails on a sentence of
+    prose over LONGEST words, naming its page and its start."""
+    too_long = []
+    with capsys.disabled():
+        print("\npage                 sentences  median  longest")
+    for page in PAGES:
+        lengths = [(len(s.split()), s) for s in prose_sentences(page.read_text())]
+        if not lengths:
+            continue
+        longest = max(n for n, _ in lengths)
+        with capsys.disabled():
+            median = statistics.median(n for n, _ in lengths)
+            print(f"{page.name:20} {len(lengths):9}  {median:6}  {longest:7}")
+        too_long += [f"{page.name} ({n} words): {s[:80]}..." for n, s in lengths if n > LONGEST]
+    assert not too_long, "split these sentences:\n" + "\n".join(too_long)
+
+
+def test_the_sentence_counter_sees_prose_only():
+    text = (
+        "One two three. Four `a b c` five [six seven](x.md)!\n\n"
+        "| a | table row |\n\n- a list item\n  that goes on\n\n```bash\ncode here\n```\n"
+        "# A heading\nLast one."
+    )
+    assert [len(s.split()) for s in prose_sentences(text)] == [3, 5, 2]
