@@ -62,8 +62,13 @@ def killed_while_draining(
             while not (run / "checkpoints" / latest).exists():
                 assert time.monotonic() < deadline and process.poll() is None
                 time.sleep(0.01)
+            durable = f".draining-{(run / 'checkpoints' / latest).resolve().name}"
             with read_only(run / "checkpoints"):
-                while "retrying" not in errors.read_text():
+                # a drain in flight: a rank's failed copy said, and rank 0's mark of it
+                # written (another rank may say its failure before rank 0 marks the drain)
+                while "retrying" not in errors.read_text() or not [
+                    m for m in run.glob(".draining-*") if m.name != durable
+                ]:
                     assert time.monotonic() < deadline and process.poll() is None
                     time.sleep(0.05)
                 if kill:
