@@ -68,7 +68,7 @@ def fair_crps(ensemble: Tensor, target: Tensor, member_dim: int = 0) -> Tensor:
 def ensemble_group(size: int) -> dist.ProcessGroup | None:
     """This rank's group of ``size`` consecutive ranks, one ensemble member each: the
     ranks ``ZarrWindows(ensemble=size)`` gives the same samples. Every rank calls it, at
-    the same point (in ``configure_model``); None in one process or for ``size`` 1."""
+    the same point (in ``create_model``); None in one process or for ``size`` 1."""
     if size == 1 or not dist.is_initialized():
         return None
     if size < 1 or dist.get_world_size() % size:
