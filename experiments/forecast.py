@@ -218,7 +218,8 @@ class ForecastTrainer(BaseTrainer):
         self.ensure_archive()  # and the extras, or one line
         self.schedule = schedule(self.options.rollout)
         self.weights: Tensor | None = None  # made where the loss is (not on the meta device)
-        training = self.windows(TRAINING, self.config.seed, self.schedule.longest)
+        # the training windows: the model's channels and statistics, then its data
+        self.training = training = self.windows(TRAINING, self.config.seed, self.schedule.longest)
         self.channels = training.target_channels
         normaliser = training.stats.module(self.channels)
         inputs, outputs = len(training.channels), len(self.channels)
@@ -229,8 +230,7 @@ class ForecastTrainer(BaseTrainer):
         return list(model.blocks)  # also the blocks --activation-checkpointing recomputes
 
     def create_datasets(self) -> tuple[Any, Any]:
-        longest, loop = self.schedule.longest, self.config.loop
-        training = self.windows(TRAINING, self.config.seed, longest)
+        longest, loop, training = self.schedule.longest, self.config.loop, self.training
         batches = math.ceil(len(training) / loop.batch_size)
         training.follow(self.schedule, loop.steps_per_epoch or math.ceil(batches / loop.grad_accum))
         # validation: every sample of the last ten days, all leads, on every rank (a map-style

@@ -24,10 +24,10 @@ def _same(flag: str) -> Rule:
 
 def _strategy(mode: Any, _: dict[str, Any]) -> dict[str, Any]:
     strategies = {"fsdp": "fsdp", "fsdp2": "fsdp", "ddp": "ddp", "none": None, None: None}
-    if str(mode).lower() not in strategies and mode is not None:
+    key = None if mode is None else str(mode).lower()
+    if key not in strategies:
         raise UserError(f"trainer: mode: {mode!r} is none of none, ddp, fsdp, fsdp2")
-    strategy = strategies[str(mode).lower() if mode is not None else None]
-    return {"strategy": strategy} if strategy else {}
+    return {"strategy": strategies[key]} if strategies[key] else {}
 
 
 def _amp(on: Any, trainer: dict[str, Any]) -> dict[str, Any]:

@@ -4,7 +4,6 @@ per channel and lead over a whole set, exact over batches and over 2 real proces
 import itertools
 import math
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -13,6 +12,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from dmltrain.errors import UserError
+from dmltrain.runtime.launch import free_port
 
 pytest.importorskip("torchmetrics")
 from dmltrain.weather.scores import (
@@ -113,9 +113,7 @@ def _rank(rank: int, port: int, out: dict) -> None:
 
 
 def test_rmse_over_two_real_processes_is_the_whole_sets():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = mp.Manager().dict()
     mp.start_processes(_rank, args=(port, out), nprocs=2, start_method="spawn")
     prediction, target = fields(2, batch=7)
@@ -149,9 +147,7 @@ def test_an_ensemble_of_ranks_trains_as_one_process_would():
     """4 gloo processes under DDP in 2 ensemble groups of 2: each rank's member is
     gathered in its group, the fair CRPS of the group's ensemble is its loss. The
     gradients equal one process's over the mean of the two groups' losses."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = mp.Manager().dict()
     mp.start_processes(_ensemble_rank, args=(port, out), nprocs=4, start_method="spawn")
     torch.manual_seed(0)
