@@ -198,14 +198,10 @@ def _load(file: Path, checkpoint: Path) -> dict[str, Any]:
 
 def read_index(path: Path) -> Any:
     """A sharded checkpoint's index (DCP's ``.metadata``: every shard's place, O(ranks x
-    tensors) bytes); a clear UserError when it is unreadable."""
-    from torch.distributed.checkpoint import FileSystemReader
+    tensors) bytes), read as data; a clear UserError when it is unreadable."""
+    from dmltrain.checkpoint.dcp_reading import read_metadata
 
-    try:
-        return FileSystemReader(str(path)).read_metadata()
-    except Exception as exc:
-        why = first_line(exc)
-        raise UserError(f"checkpoint {path} is incomplete or corrupt ({why})") from None
+    return read_metadata(path)
 
 
 def sharded_shapes(path: Path, metadata: Any, prefix: str = "model.") -> dict[str, tuple[int, ...]]:
@@ -543,15 +539,10 @@ def load_sharded(path: Path, shards: dict[str, Any], index: Any) -> None:
     collective when a process group is up."""
     import torch.distributed.checkpoint as dcp
 
-    class Reader(dcp.FileSystemReader):  # DCP would have every rank read the index again
-        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
-            index.storage_meta.load_id = self.load_id  # as FileSystemReader's own
-            return index
+    from dmltrain.checkpoint.dcp_reading import LoadPlanner, Reader, said_in_one_line
 
-    try:
-        dcp.load(shards, storage_reader=Reader(str(path)))
-    except Exception as exc:
-        raise UserError(f"cannot load {path}: {first_line(exc)}") from None
+    with said_in_one_line(path):
+        dcp.load(shards, storage_reader=Reader(path, index), planner=LoadPlanner())
 
 
 def consolidate(source: Path, target: Path, ema: bool = False) -> Path:
@@ -570,20 +561,21 @@ def read_whole(source: Path, ema: bool = False, model_only: bool = False) -> dic
     """A checkpoint of either kind as a full one holds it: a sharded one's shards read into
     one state, in this process alone; with ``ema``, its model is the averaged weights.
     ``model_only``: of a sharded one, the model's shards (or the average's) alone."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+    from dmltrain.checkpoint.dcp_reading import Reader, WholeLoadPlanner, said_in_one_line
 
     state = load_file(source)
     if ema and "ema" not in state and not state.get("ema_sharded"):
         raise UserError(f"{source} holds no averaged weights (trained without --ema-decay)")
-    state.pop("index", None)
+    index = state.pop("index", None)
     if state.pop("sharded", False):
         keys = ({"ema"} if ema else {"model"}) if model_only else None
         shards: dict[str, Any] = {}
         # as dcp_to_torch_save reads them, without its file: no collective (no_dist)
-        planner = _EmptyStateDictLoadPlanner(keys=keys)
-        _load_state_dict(shards, FileSystemReader(str(source)), planner=planner, no_dist=True)
+        planner = WholeLoadPlanner(keys=keys)
+        with said_in_one_line(source):
+            _load_state_dict(shards, Reader(source, index), planner=planner, no_dist=True)
         state.update(model=shards.get("model"), optimizer=shards.get("optimizer"))
         if state.pop("ema_sharded", False):  # a full checkpoint's place for it
             state["ema"] = shards["ema"]
