@@ -49,8 +49,11 @@ if [ -n "${DMLTRAIN_ENV:-}" ]; then
     if [ -f "$DMLTRAIN_ENV/bin/activate" ]; then
         # shellcheck disable=SC1091
         source "$DMLTRAIN_ENV/bin/activate"
-    else
+    elif [[ "$DMLTRAIN_ENV" =~ ^[A-Za-z0-9_.+-]+$ ]] || [ -d "$DMLTRAIN_ENV/conda-meta" ]; then
         eval "$(conda shell.bash hook)" && conda activate "$DMLTRAIN_ENV" || exit 1
+    else
+        echo "dmltrain: DMLTRAIN_ENV=$DMLTRAIN_ENV is neither a venv's directory, a conda env's directory nor a conda env's name; set one (exit status 2)" >&2
+        exit 2
     fi
 fi
 # <<< dmltrain block: activate.sh
@@ -129,14 +132,21 @@ status=$?
 # >>> dmltrain block: status-file.sh (edit slurm/blocks/status-file.sh, then run sync.py)
 # The launcher's status is not the job's: torchrun reports any worker's failure as 1, and
 # srun the highest status of any task (a rank that lost a failed rank 0 says 5). Rank 0
-# wrote the real one, and how many checkpoints this job saved.
+# wrote the real one, and how many checkpoints this job saved. The file is in a shared
+# folder: anything but digits there is not rank 0's, and is not used.
 # shellcheck disable=SC2034  # saved: read by slurm-requeue.sh, where it follows
 saved=""
 # shellcheck disable=SC2034
 if [ -s "$status_file" ]; then
-    status=$(sed -n 1p "$status_file")
+    written=$(sed -n 1p "$status_file")
     saved=$(sed -n 2p "$status_file")
     rm -f "$status_file"
+    if [[ "$written" =~ ^[0-9]{1,3}$ ]] && [[ "$saved" =~ ^[0-9]*$ ]]; then
+        status=$written
+    else
+        echo "dmltrain: $status_file held no status (not digits); keeping the launcher's, $status" >&2
+        saved=""
+    fi
 fi
 # <<< dmltrain block: status-file.sh
 # >>> dmltrain block: slurm-requeue.sh (edit slurm/blocks/slurm-requeue.sh, then run sync.py)
@@ -152,7 +162,12 @@ if [ "$status" -eq 5 ]; then
     why="a rank or node was lost, the checkpoints are intact"
     lost=1
     if [ "${saved:-0}" = 0 ] && [ -s "$lost_file" ]; then
-        lost=$(( $(cat "$lost_file") + 1 ))
+        before=$(head -c 16 "$lost_file")
+        if [[ "$before" =~ ^[0-9]{1,6}$ ]]; then  # anything else is not this script's count
+            lost=$((10#$before + 1))
+        else
+            echo "dmltrain: $lost_file holds no count (not digits); counting from 1" >&2
+        fi
     fi
     if [ "$lost" -gt "${DMLTRAIN_MAX_LOST_REQUEUES:-3}" ]; then
         rm -f "$lost_file"

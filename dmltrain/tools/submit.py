@@ -16,6 +16,7 @@ import datetime
 import re
 import shlex
 import shutil
+import stat
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
@@ -187,8 +188,26 @@ def _pbs_directives(
     return _directives("#PBS", values, " ") | _directives("#PBS", resources, "=")
 
 
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def check_printable(args: argparse.Namespace, flags: Sequence[str]) -> None:
+    """Refuse a newline or other control character in any value bound for the script: in a
+    ``#SBATCH``/``#PBS`` line it would start a line of shell code."""
+    named = {f"--{key.replace('_', '-')}": value for key, value in vars(args).items()}
+    named["--partition"] = named.pop("--queue", None)
+    values = [(name, value) for name, value in named.items() if isinstance(value, str)]
+    for name, value in [*values, *(("a flag", flag) for flag in flags)]:
+        if _CONTROL.search(value):
+            raise UserError(
+                f"{name} {value!r} holds a newline or another control character; give it "
+                "on one line of printable characters"
+            )
+
+
 def render(args: argparse.Namespace, flags: Sequence[str], run_dir: Path, target: Path) -> str:
     """The batch script for ``args`` with the training command ``flags`` filled in."""
+    check_printable(args, flags)
     choices = SCRIPTS[args.system]
     script = args.script or next(iter(choices))
     if script not in choices:
@@ -206,10 +225,12 @@ def render(args: argparse.Namespace, flags: Sequence[str], run_dir: Path, target
     text = set_directives(text, directives(args, script, run_dir, text))
     command = [args.launch_as, *flags, "--run-dir", str(run_dir)]
     env = args.env if args.env is not None else current_env()
-    if args.env and "/" in args.env and not is_env(Path(args.env)):
+    named = args.env and "/" not in args.env and re.fullmatch(r"[A-Za-z0-9_.+-]+", args.env)
+    if args.env and not named and not is_env(Path(args.env)):
         raise UserError(
-            f"--env {args.env}: no environment there (no bin/activate, no conda-meta); give "
-            "a venv's directory, a conda env's directory or a conda env's name"
+            f"--env {args.env}: no environment there (no bin/activate, no conda-meta) and no "
+            "conda env's name; give a venv's directory, a conda env's directory or a conda "
+            "env's name"
         )
     filled = [
         f"# Written by dmltrain submit on {datetime.datetime.now():%Y-%m-%d %H:%M}; submit this "
@@ -280,7 +301,7 @@ def submit(
         )
     run_dir.mkdir(parents=True, exist_ok=True)
     target.write_text(text)
-    target.chmod(0o755)
+    target.chmod(target.stat().st_mode | stat.S_IXUSR)  # the umask decides the rest
     if args.system == "slurm" and shutil.which("sbatch") is not None:
         check_fits(target, args.queue, sure=not args.dry_run)  # a --dry-run's too
     if args.dry_run:

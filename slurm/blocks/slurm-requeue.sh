@@ -10,7 +10,12 @@ if [ "$status" -eq 5 ]; then
     why="a rank or node was lost, the checkpoints are intact"
     lost=1
     if [ "${saved:-0}" = 0 ] && [ -s "$lost_file" ]; then
-        lost=$(( $(cat "$lost_file") + 1 ))
+        before=$(head -c 16 "$lost_file")
+        if [[ "$before" =~ ^[0-9]{1,6}$ ]]; then  # anything else is not this script's count
+            lost=$((10#$before + 1))
+        else
+            echo "dmltrain: $lost_file holds no count (not digits); counting from 1" >&2
+        fi
     fi
     if [ "$lost" -gt "${DMLTRAIN_MAX_LOST_REQUEUES:-3}" ]; then
         rm -f "$lost_file"

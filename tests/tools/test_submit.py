@@ -178,3 +178,33 @@ def test_pbs_asks_four_cpus_a_process_or_the_whole_node(tmp_path):
     done, script = dry_run(tmp_path / "c", "slurm", "tiny", "--whole-node")
     assert done.returncode == 0, done.stderr
     assert "#SBATCH --exclusive" in script.splitlines()
+
+
+# Values a hostile neighbour or a pasted command could carry into a batch script.
+INJECTED = "x\necho INJECTED > {mark}"
+
+
+@pytest.mark.parametrize(
+    "system, flag",
+    [
+        ("slurm", "--job-name"),
+        ("slurm", "--partition"),
+        ("slurm", "--account"),
+        ("pbs", "--account"),
+        ("pbs", "--job-name"),
+        ("slurm", "--env"),
+        ("pbs", "--best-metric"),  # a flag of the experiment's
+    ],
+)
+def test_a_value_with_a_newline_is_refused_and_writes_no_script(tmp_path, system, flag):
+    mark = tmp_path / "INJECTED"
+    done, script = dry_run(tmp_path, system, "tiny", flag, INJECTED.format(mark=mark))
+    assert done.returncode == 2, done.stderr
+    assert "holds a newline or another control character" in done.stderr
+    assert "Traceback" not in done.stderr and script == "" and not mark.exists()
+
+
+def test_an_env_that_is_shell_code_is_refused(tmp_path):
+    done, script = dry_run(tmp_path, "slurm", "tiny", "--env", f"$(touch {tmp_path}/F)")
+    assert done.returncode == 2 and "no conda env's name" in done.stderr
+    assert script == "" and not (tmp_path / "F").exists()
