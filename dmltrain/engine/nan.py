@@ -31,6 +31,7 @@ from torch import Tensor, nn
 
 from dmltrain import compat
 from dmltrain.errors import NonFiniteError
+from dmltrain.records.files import append_own
 
 KINDS = ("loss", "gradient", "parameter")  # a record's columns; at one step, the first wins
 FEW = 5  # offending parameters named in a report
@@ -308,6 +309,5 @@ class NanChecker:
         if self.rank == 0:
             if info is not None:
                 info(f"dmltrain: {line}")
-            with open(self.report, "a") as handle:
-                handle.write(line + "\n")
+            append_own(self.report, f"{line}\n".encode())
         return line

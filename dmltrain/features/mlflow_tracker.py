@@ -28,6 +28,7 @@ from typing import Any
 from dmltrain.errors import UserError, first_line
 from dmltrain.features.images import is_figure
 from dmltrain.features.tracking import Tracker, TrackerStart
+from dmltrain.records.files import append_own
 from dmltrain.runtime import launch
 
 JOURNAL, RUNS = "journal.jsonl", "runs.json"
@@ -92,8 +93,7 @@ class Journal:
 
     def append(self, record: dict[str, Any]) -> None:
         self.directory.mkdir(parents=True, exist_ok=True)
-        with self.file.open("a") as handle:
-            handle.write(json.dumps(record) + "\n")
+        append_own(self.file, f"{json.dumps(record)}\n".encode())
 
     def runs(self) -> dict[str, str]:
         path = self.directory / RUNS

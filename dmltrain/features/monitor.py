@@ -25,6 +25,7 @@ the others by ``--straggler-factor``. Rank 0 then
 """
 
 import csv
+import io
 import statistics
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ from typing import Any
 
 import torch
 
+from dmltrain.records.files import append_own
 from dmltrain.runtime import control
 
 STALL_SHARE = 0.2  # of the interval's time spent waiting for data
@@ -292,18 +294,19 @@ class Monitor:
     def _write(self, step: int, steps: int, per_rank: list[tuple[float, float, float]]) -> None:
         assert self.ranks_csv is not None
         new = not self.ranks_csv.exists()
-        with self.ranks_csv.open("a", newline="") as handle:
-            writer = csv.writer(handle)
-            if new:
-                writer.writerow(["step", "rank", "host", "step_s", "data_wait_s", "compute_s"])
-            for rank, (seconds, wait, compute) in enumerate(per_rank):
-                writer.writerow(
-                    [
-                        step,
-                        rank,
-                        self.hosts[rank],
-                        f"{seconds / steps:.6g}",
-                        f"{wait / steps:.6g}",
-                        f"{compute / steps:.6g}",
-                    ]
-                )
+        rows = io.StringIO()
+        writer = csv.writer(rows)
+        if new:
+            writer.writerow(["step", "rank", "host", "step_s", "data_wait_s", "compute_s"])
+        for rank, (seconds, wait, compute) in enumerate(per_rank):
+            writer.writerow(
+                [
+                    step,
+                    rank,
+                    self.hosts[rank],
+                    f"{seconds / steps:.6g}",
+                    f"{wait / steps:.6g}",
+                    f"{compute / steps:.6g}",
+                ]
+            )
+        append_own(self.ranks_csv, rows.getvalue().encode())

@@ -9,6 +9,7 @@ import contextlib
 import errno
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from dmltrain.errors import UserError
@@ -34,6 +35,43 @@ def write_atomic(path: Path, text: str | bytes) -> None:
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
         raise NotWritten(why_not_written(path, exc)) from None
+
+
+def append_own(path: Path, data: bytes, rewrite: bool = False) -> None:
+    """Append ``data`` to the record ``path`` (``rewrite``: in place of what it holds), whole
+    or not at all: a failed write (a full disk) is cut off again and raised. Never through a
+    symbolic link: one put there (a run directory is often group-writable) fails the open
+    with ELOOP, an OSError as a full disk's is, instead of writing into its target."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | (os.O_TRUNC if rewrite else os.O_APPEND)
+    fd = os.open(path, flags, 0o666)  # 0o666: the umask decides
+    try:
+        size = os.lseek(fd, 0, os.SEEK_END)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
+            raise
+    finally:
+        os.close(fd)
+
+
+def not_through_a_link(path: str, flags: int) -> int:
+    """An ``opener`` for ``open``: as ``append_own``, the file itself, never a link's target."""
+    return os.open(path, flags | os.O_NOFOLLOW, 0o666)
+
+
+def replace_link(path: Path, warn: Callable[[str], None]) -> None:
+    """Remove ``path`` when it is a symbolic link (dmltrain makes none among its records),
+    said once, so the record is written as a file of the run's own."""
+    if path.is_symlink():
+        warn(
+            f"{path} was a link to {os.readlink(path)}, which dmltrain did not make: "
+            "replaced by a file of this run's own (the link's target is untouched)"
+        )
+        path.unlink()
 
 
 def why_not_written(path: Path, exc: OSError) -> str:

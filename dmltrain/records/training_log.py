@@ -1,15 +1,13 @@
 """``training_log.csv``: one row per validation (at each epoch's end), rewritten atomically
 after each; ``steps.csv``: the step scalars every ``--log-every`` steps, appended."""
 
-import contextlib
 import csv
 import io
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from dmltrain.records.files import why_not_written, write_atomic
+from dmltrain.records.files import append_own, replace_link, why_not_written, write_atomic
 
 
 def write_training_log(path: Path, rows: list[dict[str, Any]]) -> None:
@@ -45,6 +43,7 @@ class StepsLog:
         self.path, self.warn, self.warned = path, warn, False
         self.columns: list[str] | None = None
         self._pending: dict[int, dict[str, Any]] = {}  # log_metrics' rows, by step
+        replace_link(path, warn)
         if path.is_file():
             with open(path, newline="") as handle:
                 reader = csv.DictReader(handle)
@@ -58,25 +57,25 @@ class StepsLog:
         """Rows appended whole or not at all: a failed append (a full disk) is cut off
         again and said once; training goes on."""
         assert self.columns is not None
-        size = 0
+        buffer = io.StringIO()
+        writer = csv.DictWriter(
+            buffer, fieldnames=self.columns, extrasaction="ignore", lineterminator="\n"
+        )
+        if mode == "w":
+            writer.writeheader()
+        writer.writerows(rows)
         try:
-            with open(self.path, mode, newline="") as handle:
-                size = handle.tell()  # where this append starts (0 when rewritten)
-                writer = csv.DictWriter(
-                    handle, fieldnames=self.columns, extrasaction="ignore", lineterminator="\n"
-                )
-                if mode == "w":
-                    writer.writeheader()
-                writer.writerows(rows)
+            append_own(self.path, buffer.getvalue().encode(), rewrite=mode == "w")
         except OSError as exc:
-            with contextlib.suppress(OSError):
-                os.truncate(self.path, size)
-            if not self.warned:
-                self.warned = True
-                self.warn(
-                    f"{why_not_written(self.path, exc)}; its rows are left out until "
-                    "there is room again, training goes on"
-                )
+            self._not_written(exc)
+
+    def _not_written(self, exc: OSError) -> None:
+        if not self.warned:
+            self.warned = True
+            self.warn(
+                f"{why_not_written(self.path, exc)}; its rows are left out until there is "
+                "room again, training goes on"
+            )
 
     def add(self, step: int, epoch: int, values: dict[str, float]) -> None:
         """Scalars logged at ``step`` (``log_metrics``): written with the next row, in it

@@ -15,6 +15,7 @@ import datetime
 import shlex
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -24,7 +25,12 @@ from typing import Any, NoReturn
 
 from dmltrain.errors import EXIT_PEER_LOST, EXIT_REQUEUE, UserError
 from dmltrain.features.search import PRUNERS
-from dmltrain.records.files import read_status_record, status_record, write_atomic
+from dmltrain.records.files import (
+    not_through_a_link,
+    read_status_record,
+    status_record,
+    write_atomic,
+)
 from dmltrain.runtime.launch import child_env, cpu_set, physical_cores, split_gpus
 from dmltrain.tools import search, submit
 from dmltrain.tools.sweep import Sweep, best, check_trials, expand, given, load_space
@@ -233,7 +239,7 @@ def _run_here(sweep: Sweep, i: int, threads: int | None) -> int:
     args = sweep.args(i)
     if threads is not None and not given(args, "--threads"):
         args = [*args, "--threads", str(threads)]
-    with open(sweep.trial_dir(i) / "output.log", "a") as log:
+    with open(sweep.trial_dir(i) / "output.log", "a", opener=not_through_a_link) as log:
         while True:
             code = subprocess.run(
                 [sys.executable, "-m", "dmltrain", *args], stdout=log, stderr=subprocess.STDOUT
@@ -301,7 +307,7 @@ def _write_script(
         *body,
     ]
     target.write_text("\n".join(lines) + "\n")
-    target.chmod(0o755)
+    target.chmod(target.stat().st_mode | stat.S_IXUSR)  # the umask decides the rest
     return target
 
 
