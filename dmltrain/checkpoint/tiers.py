@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import queue
+import re
 import shutil
 import socket
 import threading
@@ -34,6 +35,7 @@ from typing import Any
 from dmltrain.checkpoint.storage import (
     FORMAT_VERSION,
     FULL,
+    PREFIX,
     SHARDED,
     CheckpointDir,
     WriteFailed,
@@ -42,9 +44,10 @@ from dmltrain.checkpoint.storage import (
     atomic_save,
     checkpoint_name,
     list_checkpoints,
+    load_file,
     point,
 )
-from dmltrain.errors import first_line
+from dmltrain.errors import UserError, first_line
 
 MARKER = ".draining-"  # RUN_DIR/.draining-<checkpoint name>: a drain in flight
 GATHERING = ".gathering"  # RUN_DIR/checkpoints/.<name>.<n>.gathering/: a sharded one's parts
@@ -210,17 +213,23 @@ class TieredDir(CheckpointDir):
         else:
             staged.unlink(missing_ok=True)
 
-    def _mark(self, name: str, staged: Path | None) -> Path:
-        """RUN_DIR/.draining-<name>, written by rank 0: this host and, for a full checkpoint,
-        the local copy's path (the next job on this node drains it)."""
+    def _mark(self, name: str) -> Path:
+        """RUN_DIR/.draining-<name>, written whole by rank 0 (a full folder fails the drain,
+        which is retried): this host, for the line that says a checkpoint was lost. The next
+        job looks for the local copy in its own local folder, never where a mark says."""
         marker = self.directory.parent / f"{MARKER}{name}"
         if self.rank == 0:
-            left = {"host": socket.gethostname(), "local": str(staged or "")}
-            marker.write_text(json.dumps(left))
+            tmp = marker.with_name(f".{marker.name}.tmp-{os.getpid()}")
+            try:
+                tmp.write_text(json.dumps({"host": socket.gethostname()}))
+                os.replace(tmp, marker)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
         return marker
 
     def _copy_and_publish(self, staged: Path, name: str, best: bool) -> None:
-        marker = self._mark(name, staged)
+        marker = self._mark(name)
         self.directory.mkdir(parents=True, exist_ok=True)
         target = self.directory / name
         tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
@@ -239,7 +248,7 @@ class TieredDir(CheckpointDir):
         """A sharded checkpoint: this rank's files into the run directory's gathering
         folder for ``name`` (the save's ``number`` is every rank's alike), with a mark that
         they are in; rank 0 then waits for every rank's mark and publishes."""
-        marker = self._mark(name, None)
+        marker = self._mark(name)
         gathering = self.directory / f".{name}.{number}{GATHERING}"
         gathering.mkdir(parents=True, exist_ok=True)
         for part in sorted(staged.iterdir()):
@@ -272,19 +281,38 @@ class TieredDir(CheckpointDir):
     def settle(self, main: bool = True, failed: bool = False) -> None:
         """As the job ends: every part of this rank drained, or (the shared folder failing
         for ``SETTLE_SECONDS``; after a failure, other ranks' parts missing for
-        ``SETTLE_FAILED_SECONDS``) what is left said in a line."""
+        ``SETTLE_FAILED_SECONDS``) a UserError saying what is left on this node."""
         deadline = time.monotonic() + (SETTLE_FAILED_SECONDS if failed else SETTLE_SECONDS)
         while self._queue.unfinished_tasks and time.monotonic() < deadline:
             time.sleep(0.05)
         if self._queue.unfinished_tasks:
             self._give_up.set()
-            self.warn(
+            raise UserError(
                 f"{self._queue.unfinished_tasks} checkpoint(s) could not be drained to "
                 f"{self.directory} ({self._failing or 'parts of other ranks missing'}); "
-                f"they stay in {self.local} on {socket.gethostname()}"
+                f"they stay in {self.local} on {socket.gethostname()}: make room there and "
+                "run the same command on this node, which drains them first"
             )
 
     # ----- resuming -------------------------------------------------------------------
+    def _local_copy(self, name: str, warn: Callable[[str], None]) -> Path | None:
+        """The newest local copy of full checkpoint ``name`` in this rank's own local
+        folder, once it loads; None when there is none (or it does not load, said)."""
+        if name.endswith(SHARDED):
+            return None
+        copies = sorted(
+            (p for p in self.local.glob(f"{name}.*") if p.is_file() and not p.is_symlink()),
+            key=lambda p: int(p.suffix[1:]) if p.suffix[1:].isdigit() else -1,
+        )
+        if not copies:
+            return None
+        try:
+            load_file(copies[-1])
+        except UserError as exc:
+            warn(f"the local copy of checkpoint {name} does not load ({exc}); not drained")
+            return None
+        return copies[-1]
+
     def latest_valid(self, warn: Callable[[str], None]) -> tuple[str, dict[str, Any]] | None:
         """A drain an earlier job left unfinished is done now when its local copy is on
         this node (a full checkpoint); else that checkpoint is lost, said in one line. Then
@@ -294,17 +322,20 @@ class TieredDir(CheckpointDir):
             self.settle()
         for marker in sorted(self.directory.parent.glob(f"{MARKER}*")):
             name = marker.name[len(MARKER) :]
-            left = json.loads(marker.read_text() or "{}")
-            staged = Path(left.get("local") or self.local / "none")
-            if staged.is_file():
+            if not _NAME.match(name):  # not a mark of this run's
+                warn(f"{marker} names no checkpoint ({name!r}); removed")
+                marker.unlink(missing_ok=True)
+                continue
+            host = _left_by(marker)
+            staged = self._local_copy(name, warn)
+            if staged is not None:
                 self._drain(staged, name, False, 0)
             elif not (self.directory / name).exists():
                 durable = list_checkpoints(self.directory)
                 went_on = f"the newest durable one, {durable[0].name}" if durable else "the start"
                 warn(
-                    f"checkpoint {name} was still draining from {left.get('host', 'a')}'s "
-                    f"local folder when the last job ended and is lost with that node; going "
-                    f"on from {went_on}"
+                    f"checkpoint {name} was still draining from {host}'s local folder when "
+                    f"the last job ended and is lost with that node; going on from {went_on}"
                     if not name.endswith(SHARDED)
                     else f"checkpoint {name} was still draining from the ranks' local folders "
                     f"when the last job ended ({_missing(self.directory, name)}) and is lost; "
@@ -314,6 +345,18 @@ class TieredDir(CheckpointDir):
         for gathering in self.directory.glob(f".*{GATHERING}"):
             shutil.rmtree(gathering, ignore_errors=True)
         return super().latest_valid(warn)
+
+
+_NAME = re.compile(rf"^{PREFIX}\d+-\d+\{FULL}$|^{PREFIX}\d+-\d+\{SHARDED}$")
+
+
+def _left_by(marker: Path) -> str:
+    """The host a mark names; "a node" when it cannot be read (a mark is only a hint)."""
+    try:
+        host = json.loads(marker.read_text()).get("host")
+    except (OSError, ValueError, AttributeError):
+        return "a node"
+    return host if isinstance(host, str) and host.isprintable() else "a node"
 
 
 def _missing(directory: Path, name: str) -> str:

@@ -48,17 +48,20 @@ def fit(run: Run) -> list[dict[str, Any]]:
         raise
     _record_outcome(run, None)  # first: the training is done whatever on_close does
     _close(run, None)
-    _settle(run)
+    _settle(run, finished=True)
     return rows
 
 
-def _settle(run: Run, failed: bool = False) -> None:
+def _settle(run: Run, failed: bool = False, finished: bool = False) -> None:
     """Last, every rank: what the store has in flight made durable (a drain from the
-    node-local folder, the records copied to object storage); a failure is a warning."""
+    node-local folder, the records copied to object storage). What cannot be is the job's
+    error (exit status 2) when the run ``finished``; else a warning beside the run's own."""
     if run.made("checkpointer"):
         try:
             run.checkpointer.store.settle(run.trainer.dist.is_main, failed)
         except UserError as exc:
+            if finished:
+                raise
             run.trainer.warn(str(exc))
 
 

@@ -196,3 +196,50 @@ def test_sharded_checkpoints_drain_each_ranks_shards_and_a_lost_one_is_said(tmp_
     assert "resuming from" in again.stdout and "ckpt-000001-00000004.dcp" in again.stdout
     assert_same_run(tmp_path / "whole", run)
     assert not list((run / "checkpoints").glob(".*"))  # no gathering folder left
+
+
+def test_a_torn_or_crafted_mark_loses_no_local_copy_and_moves_no_other_file(tmp_path):
+    """A mark left empty (a full shared folder tore its write) still lets the next job on
+    the node drain the local copy; a crafted mark pointing at another file moves nothing,
+    and one naming no checkpoint is removed, said."""
+    whole = run_cli(*ARGS, "--run-dir", "whole", cwd=tmp_path)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    run, local = tmp_path / "run", tmp_path / "local"
+    killed_while_draining(tmp_path, run, local)
+    (run / ".draining-ckpt-000001-00000008.pt").write_text("")  # torn
+    victim = tmp_path / "victim.pt"
+    victim.write_bytes(b"someone else's file")
+    crafted = run / ".draining-ckpt-000002-00000020.pt"
+    crafted.write_text(f'{{"host": "x", "local": "{victim}"}}')
+    (run / ".draining-notes").write_text("{")
+    again = run_cli(*ARGS, "--local-checkpoint-dir", str(local), "--run-dir", str(run),
+                    cwd=tmp_path)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert victim.read_bytes() == b"someone else's file"
+    assert not (run / "checkpoints" / "ckpt-000002-00000020.pt").exists()
+    assert f"{run}/.draining-notes names no checkpoint ('notes'); removed" in again.stderr
+    assert "ckpt-000001-00000008.pt was still draining" not in again.stderr
+    assert f"resuming from {run}/checkpoints/ckpt-000001-00000008.pt" in again.stdout
+    assert not list(run.glob(".draining-*"))
+    assert_same_run(tmp_path / "whole", run)
+
+
+def test_a_run_ending_with_checkpoints_only_on_the_local_disk_fails_saying_so(
+    tmp_path, monkeypatch
+):
+    """The shared folder stays read-only to the end: the job does not say "done" (exit
+    status 2, its line names the local folder), and the local copies stay."""
+    from dmltrain import TrainConfig, UserError
+    from dmltrain.checkpoint import tiers
+    from tiny import TinyOptions, TinyTrainer
+
+    monkeypatch.setattr(tiers, "SETTLE_SECONDS", 1.0)  # not 5 minutes of retries
+    run, local = tmp_path / "run", tmp_path / "local"
+    (run / "checkpoints").mkdir(parents=True)
+    config = TrainConfig(run_dir=str(run), epochs=1, batch_size=16, progress="off",
+                         local_checkpoint_dir=str(local))  # fmt: skip
+    with read_only(run / "checkpoints"), pytest.raises(UserError) as said:
+        TinyTrainer(config, TinyOptions()).fit()
+    assert "checkpoint(s) could not be drained to" in str(said.value)
+    assert f"they stay in {local_folder(local, run)} on {os.uname().nodename}" in str(said.value)
+    assert [p.name for p in local_folder(local, run).iterdir()] == ["ckpt-000001-00000006.pt.1"]
