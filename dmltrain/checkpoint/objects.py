@@ -15,6 +15,10 @@ Records are written in a local folder, ``runs/<scheme>/<bucket>/<path>``: an obj
 cannot take one more line. They are copied up with each checkpoint and when the job ends,
 and a job on another machine takes them down first.
 
+One job at a time holds a run: its rank 0 writes ``lock`` with a conditional write (one
+that fails where the object exists) and renews it every minute; a job of another owner
+is refused while the lock is renewed, and takes it over once it is not (its job died).
+
 Credentials come from the implementation's usual environment (``AWS_ACCESS_KEY_ID``,
 ``AWS_PROFILE``, ``GOOGLE_APPLICATION_CREDENTIALS``...). A URI that holds a password is
 refused, so a secret never reaches a log, config.yaml or an error line.
@@ -24,6 +28,9 @@ import contextlib
 import json
 import os
 import re
+import socket
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -185,11 +192,20 @@ class ObjectStore(CheckpointDir):
         picked = [n for n in names if n.startswith(PREFIX) and n.endswith(FULL)]
         return sorted(picked, reverse=True)
 
-    def _pointer(self, which: str) -> str | None:
+    def _pointer(self, which: str, warn: Callable[[str], None] | None = None) -> str | None:
+        """The checkpoint the pointer ``which`` names; None where there is none, or where
+        it is not one (said with ``warn``: the checkpoints are then found by name)."""
         try:
-            return str(json.loads(self.fs.cat_file(f"{self.root}/{which}"))["checkpoint"])
+            name = json.loads(self.fs.cat_file(f"{self.root}/{which}"))["checkpoint"]
         except FileNotFoundError:
             return None
+        except (ValueError, KeyError, TypeError):
+            name = None
+        if not (isinstance(name, str) and name.startswith(PREFIX) and name.endswith(FULL)):
+            if warn is not None:
+                warn(f"{self.root}/{which} names no checkpoint; going by the checkpoints' names")
+            return None
+        return name
 
     def holds(self, epoch: int, global_step: int, sharded: bool) -> bool:
         try:
@@ -207,7 +223,15 @@ class ObjectStore(CheckpointDir):
         """The checkpoint ``latest`` names, else (it does not load) the newest older one
         that does; with no ``latest`` yet (killed before the first was published), the
         newest object that loads. A store whose checkpoints all fail is a UserError."""
-        pointed, names = self._pointer("latest"), self.names()
+        kept = self.kept()  # an earlier job's on this machine, whose upload failed
+        if kept and (self._pointer("latest") or "") < kept[0].name:
+            try:
+                self._upload(kept[0], kept[0].name, best=False)
+            except Exception as exc:
+                raise UserError(f"cannot upload {kept[0]}: {_cannot(self.uri, exc)}") from None
+            warn(f"{kept[0]}, kept here when its upload failed, is uploaded now")
+            self._drop_kept(kept[0].name)
+        pointed, names = self._pointer("latest", warn), self.names()
         order = [n for n in names if pointed is None or n < pointed]
         if pointed is not None:
             order.insert(0, pointed)
@@ -223,32 +247,50 @@ class ObjectStore(CheckpointDir):
         staged = self.directory / f".{name}.tmp-{os.getpid()}"
         atomic_save({"format_version": FORMAT_VERSION, **state}, staged)
         try:
-            self.fs.put_file(str(staged), f"{self.root}/{name}")
-            # published: the pointers, written after the checkpoint they name
-            self.fs.pipe_file(f"{self.root}/latest", json.dumps({"checkpoint": name}).encode())
-            if best:
-                self.fs.pipe_file(f"{self.root}/best", json.dumps({"checkpoint": name}).encode())
+            self._upload(staged, name, best)
         except Exception as exc:
-            pointed = self._pointer_or_none()
-            last = f"the last good checkpoint is {self._location(pointed)}" if pointed else (
-                "no checkpoint was written yet"
-            )  # fmt: skip
+            kept = self.directory / name  # until one reaches the store (``settle``)
+            os.replace(staged, kept)
+            for old in self.kept()[max(self.keep_last, 1) :]:
+                old.unlink(missing_ok=True)
             raise WriteFailed(
                 f"cannot upload checkpoint {self._location(name)} ({_cannot(self.uri, exc)}); "
-                f"{last}"
+                f"it is kept at {kept} until a checkpoint reaches the store; "
+                f"{self._last_good()}"
             ) from None
         finally:
             staged.unlink(missing_ok=True)
+        self._drop_kept(name)
         with contextlib.suppress(Exception):  # published already; the next save prunes again
             self._prune()
         self.keep_records(must=False)
         return Path(name)
 
-    def _pointer_or_none(self) -> str | None:
+    def _upload(self, file: Path, name: str, best: bool) -> None:
+        """``file`` as checkpoint ``name``, then the pointers that publish it."""
+        self.fs.put_file(str(file), f"{self.root}/{name}")
+        self.fs.pipe_file(f"{self.root}/latest", json.dumps({"checkpoint": name}).encode())
+        if best:
+            self.fs.pipe_file(f"{self.root}/best", json.dumps({"checkpoint": name}).encode())
+
+    def _last_good(self) -> str:
         try:
-            return self._pointer("latest")
+            pointed = self._pointer("latest")
         except Exception:  # the store is what failed
-            return None
+            return "the store did not say which checkpoint is its newest"
+        if pointed is None:
+            return "the store holds no checkpoint of this run yet"
+        return f"the last good checkpoint is {self._location(pointed)}"
+
+    def kept(self) -> list[Path]:
+        """Checkpoints kept here after a failed upload, newest first."""
+        return sorted(self.directory.glob(f"{PREFIX}*{FULL}"), reverse=True)
+
+    def _drop_kept(self, uploaded: str) -> None:
+        """The kept copies that checkpoint ``uploaded``, now in the store, makes old."""
+        for kept in self.kept():
+            if kept.name <= uploaded:
+                kept.unlink(missing_ok=True)
 
     def _prune(self) -> None:
         """All but the newest ``keep_last`` published checkpoints (never the best) go."""
@@ -269,9 +311,22 @@ class ObjectStore(CheckpointDir):
         raise UserError(f"{location} is sharded: copy it to a file system to load it")
 
     def settle(self, main: bool = True, failed: bool = False) -> None:
-        """As the job ends, rank 0: the records copied (a failure raises)."""
-        if main:
-            self.keep_records(must=True)
+        """As the job ends, rank 0: the newest checkpoint kept after a failed upload
+        uploaded now, and the records copied; a failure raises."""
+        if not main:
+            return
+        kept = self.kept()
+        if kept:
+            try:
+                self._upload(kept[0], kept[0].name, best=False)
+            except Exception as exc:
+                raise UserError(
+                    f"checkpoint(s) {', '.join(p.name for p in kept)} could not be uploaded "
+                    f"to {self.where()} ({_cannot(self.uri, exc)}) and are only in "
+                    f"{self.directory} on {socket.gethostname()}; {self._last_good()}"
+                ) from None
+            self._drop_kept(kept[0].name)
+        self.keep_records(must=True)
 
     def keep_records(self, must: bool = True) -> None:
         """Copy the run's records (the local folder's files) that changed since the last
@@ -311,3 +366,104 @@ def fetch_records(uri: str, records: Path, every: bool = False) -> str | None:
     except Exception as exc:
         return _cannot(uri, exc)
     return None
+
+
+LOCK = "lock"  # RUN/lock: the job that holds the run, renewed every BEAT_SECONDS
+BEAT_SECONDS = 60.0
+STALE_SECONDS = 180.0  # a lock not renewed this long is an ended job's
+
+
+class RunLock:
+    """A run in object storage, held by one job (``owner``: the batch job's id, which a
+    requeued job keeps, else host:pid). ``take`` says why it cannot be; ``release`` ends
+    the hold (the lock object is deleted where it is still this owner's)."""
+
+    def __init__(self, uri: str, owner: str) -> None:
+        self.fs, root = filesystem(uri)
+        self.path, self.uri, self.owner = f"{root}/{LOCK}", uri, owner
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _record(self) -> bytes:
+        host, pid = socket.gethostname(), os.getpid()
+        return json.dumps(
+            {"owner": self.owner, "host": host, "pid": pid, "beat": time.time()}
+        ).encode()
+
+    def _held(self) -> dict[str, Any] | None:
+        """The lock's record; {} where it is not one (written torn, or by hand)."""
+        try:
+            record = json.loads(self.fs.cat_file(self.path))
+        except FileNotFoundError:
+            return None
+        except ValueError:
+            return {}
+        return record if isinstance(record, dict) else {}
+
+    def take(self) -> str | None:
+        """Hold the run, or say why not (another owner renews the lock)."""
+        try:
+            for _ in range(2):
+                try:
+                    self.fs.pipe_file(self.path, self._record(), mode="create")
+                    break
+                except FileExistsError:
+                    held = self._held()
+                    if held is None:  # released meanwhile
+                        continue
+                    why = self._in_use(held)
+                    if why:
+                        return why
+                    self.fs.rm_file(self.path)  # an ended job's, or this job's before a requeue
+            else:
+                return f"--run-dir {self.uri} is being taken by another job at this moment"
+        except Exception as exc:
+            return _cannot(self.uri, exc)
+        self._thread = threading.Thread(target=self._renew, name="dmltrain-lock", daemon=True)
+        self._thread.start()
+        return None
+
+    def _in_use(self, held: dict[str, Any]) -> str | None:
+        """Why ``held`` (another job's lock) stands, or None where it is stale."""
+        if held.get("owner") == self.owner:
+            return None
+        beat = held.get("beat")
+        age = time.time() - beat if isinstance(beat, (int, float)) else STALE_SECONDS
+        gone = held.get("host") == socket.gethostname() and not _alive(held.get("pid"))
+        if age >= STALE_SECONDS or gone:
+            return None
+        who = f"{held.get('owner')} on {held.get('host')}"
+        return (
+            f"--run-dir {self.uri} is in use by another job ({who}, which renewed its lock "
+            f"{age:.0f} s ago); two jobs would overwrite each other's checkpoints: wait for "
+            f"it to end, or pass another --run-dir (a lock not renewed for {STALE_SECONDS:.0f} "
+            "s is taken over)"
+        )
+
+    def _renew(self) -> None:
+        while not self._stop.wait(BEAT_SECONDS):
+            with contextlib.suppress(Exception):  # the store may be down: the next beat
+                if (self._held() or {}).get("owner") == self.owner:
+                    self.fs.pipe_file(self.path, self._record())
+
+    def release(self) -> None:
+        self._stop.set()
+        if self._thread is None:
+            return
+        self._thread.join()
+        self._thread = None
+        with contextlib.suppress(Exception):  # not released: stale in STALE_SECONDS
+            if (self._held() or {}).get("owner") == self.owner:
+                self.fs.rm_file(self.path)
+
+
+def _alive(pid: Any) -> bool:
+    if not isinstance(pid, int):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

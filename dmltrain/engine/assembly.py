@@ -9,6 +9,7 @@ seed, ``create_model``, per-rank seed, wrap, EMA copy, compile, loaders, optimiz
 import contextlib
 import dataclasses
 import os
+import socket
 import tempfile
 from functools import partial
 from pathlib import Path
@@ -36,7 +37,7 @@ from dmltrain.engine.progress import Progress
 from dmltrain.engine.run import Run
 from dmltrain.engine.state import TrainState
 from dmltrain.engine.step import ManualStep, OptimizerStep, check_first_forward
-from dmltrain.errors import UserError
+from dmltrain.errors import UserError, first_line
 from dmltrain.features import monitor, profiling
 from dmltrain.features.builtin import (
     EmaFeature,
@@ -206,6 +207,7 @@ def _start(run: Run, evaluating: bool) -> ProfilerFeature | None:
         trainer.strategy.broadcast_object,
         evaluating=evaluating,
         wait=60.0 if dist.job_id else 0.0,
+        owner=dist.job_id or f"{socket.gethostname()}:{os.getpid()}",
     )
     # Every rank's host and CPUs: each takes its share of its cores (dmltrain.runtime.threads).
     run.ranks = trainer.strategy.all_gather_object(diagnostics.this_rank(dist, trainer.environment))
@@ -355,7 +357,7 @@ def _open_store(run: Run) -> None:
                 "already: drop --local-checkpoint-dir"
             )
         store = objects.ObjectStore(cfg.run_dir, cfg.keep_last, run.run_dir, cfg.async_checkpoint)
-    elif cfg.local_checkpoint_dir:  # a node-local tier drained to the run directory
+    elif cfg.local_checkpoint_dir and _local_tier_usable(run):  # drained to the run dir
         dist = trainer.dist
         local = tiers.local_folder(Path(cfg.local_checkpoint_dir), run.run_dir, dist.rank)
         store = tiers.TieredDir(
@@ -365,6 +367,28 @@ def _open_store(run: Run) -> None:
     else:
         store = CheckpointDir(shared, cfg.keep_last, cfg.async_checkpoint)
     run.store = store
+
+
+def _local_tier_usable(run: Run) -> bool:
+    """Whether every rank can make its folder in --local-checkpoint-dir (collective: the
+    ranks save alike); else the run directory alone takes the checkpoints, said once."""
+    trainer, given = run.trainer, Path(run.trainer.config.checkpoint.local_checkpoint_dir or "")
+    folder = tiers.local_folder(given, run.run_dir, trainer.dist.rank)
+    why = ""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not os.access(folder, os.W_OK):
+            why = "not writable"
+    except OSError as exc:
+        why = exc.strerror or first_line(exc)
+    failed = trainer.strategy.max_over_ranks([1 if why else 0])[0]
+    if failed and trainer.dist.is_main:
+        trainer.warn(
+            f"--local-checkpoint-dir {given}: a rank cannot use it"
+            f"{f' ({why})' if why else ''}; checkpoints go straight to "
+            f"{run.run_dir / 'checkpoints'}"
+        )
+    return not failed
 
 
 def _make_step(run: Run) -> None:

@@ -56,13 +56,16 @@ def _settle(run: Run, failed: bool = False, finished: bool = False) -> None:
     """Last, every rank: what the store has in flight made durable (a drain from the
     node-local folder, the records copied to object storage). What cannot be is the job's
     error (exit status 2) when the run ``finished``; else a warning beside the run's own."""
-    if run.made("checkpointer"):
-        try:
+    try:
+        if run.made("checkpointer"):
             run.checkpointer.store.settle(run.trainer.dist.is_main, failed)
-        except UserError as exc:
-            if finished:
-                raise
-            run.trainer.warn(str(exc))
+    except UserError as exc:
+        if finished:
+            raise
+        run.trainer.warn(str(exc))
+    finally:
+        if run.made("run_dir_held"):
+            run.run_dir_held.release_remote()
 
 
 def _close(run: Run, error: BaseException | None) -> None:

@@ -91,13 +91,20 @@ class Held:
     advisory lock (flock) on the directory itself, which the system drops when the process
     ends, however it ends, so a crashed run leaves nothing to clean up."""
 
-    def __init__(self, fd: int | None) -> None:
-        self.fd = fd
+    def __init__(self, fd: int | None, remote: objects.RunLock | None = None) -> None:
+        self.fd, self.remote = fd, remote
 
     def release(self) -> None:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+
+    def release_remote(self) -> None:
+        """A run in object storage: its lock there, released once the run's last records
+        are copied up (``objects.RunLock``)."""
+        if self.remote is not None:
+            self.remote.release()
+            self.remote = None
 
 
 def _hold(path: Path, wait: float) -> tuple[Held, str | None]:
@@ -163,12 +170,13 @@ def choose(
     broadcast: Callable[[Any], Any],
     evaluating: bool = False,
     wait: float = 0.0,
+    owner: str = "",
 ) -> tuple[Path, Held]:
     """Rank 0 decides (``requested``, else ``default``), checks the directory, creating
     it, and holds it (``Held``, waiting up to ``wait`` seconds for a run that is ending);
     every rank gets its decision: the path, or the ``UserError`` saying why not. An
     evaluation (``evaluating``) may write into any run's directory: it adds its own files
-    and holds nothing."""
+    and holds nothing. A run in object storage is held there too, by ``owner`` (the job)."""
     decision: tuple[str, str | None] = ("", None)
     held = Held(None)
     if is_main:
@@ -180,6 +188,9 @@ def choose(
             error = objects.unreachable(remote)
         if error is None and not evaluating:
             held, error = _hold(path, wait)
+            if error is None and remote:  # one job at a time, whatever its machine
+                held.remote = objects.RunLock(remote, owner)
+                error = held.remote.take()
             if error is None and remote:  # an earlier job's, written on another machine
                 error = objects.fetch_records(remote, path)
             if error is None:
@@ -190,15 +201,18 @@ def choose(
     chosen, error = broadcast(decision)
     if error:
         held.release()
+        held.release_remote()
         raise SharedError(error)
     return Path(chosen), held
 
 
 def _checkpoints(path: Path, remote: str | None) -> list[Any]:
-    """The run's checkpoints: in the run directory, or in its object store."""
+    """The run's checkpoints: in the run directory, or in its object store (with those
+    kept here when their upload failed, which the store uploads first)."""
     if remote is None:
         return list_checkpoints(path / "checkpoints")
-    return objects.ObjectStore(remote, 0, path).names()
+    store = objects.ObjectStore(remote, 0, path)
+    return store.names() + [kept.name for kept in store.kept()]
 
 
 def _taken(path: Path, shown: str, resume: str, checkpoints: list[Any]) -> str | None:

@@ -155,3 +155,71 @@ def test_weights_evaluation_and_plots_from_a_uri_and_file_uris_are_local_paths(s
     plotted = run_cli("plot", "s3://bucket/source", cwd=elsewhere, **env)
     assert plotted.returncode == 0, plotted.stderr[-3000:]
     assert (elsewhere / mirror("s3://bucket/source") / "training_curves.png").is_file()
+
+
+def test_an_outage_keeps_the_checkpoints_here_and_the_run_ends_saying_so(s3, tmp_path):
+    """Every upload fails: each checkpoint is kept in the local records folder (the line
+    says where, and that the store did not answer), the job ends with status 2 naming
+    them; the next job on this machine uploads the newest and goes on from it."""
+    env, client, layer = s3
+    args = [*TINY, *RANDOM, "--checkpoint-every-steps", "8"]
+    whole = run_cli(*args, "--run-dir", "whole", cwd=tmp_path)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    uri = "s3://bucket/outage"
+    layer.hold = 0.001  # every checkpoint's PUT answered 503
+    try:
+        down = run_cli(*args, "--run-dir", uri, cwd=tmp_path, **env)
+    finally:
+        layer.hold = 0.0
+    assert down.returncode == 2, down.stderr[-3000:]
+    local = mirror(uri) / "checkpoints"  # relative to the working folder, as said
+    assert "cannot upload checkpoint s3://bucket/outage/checkpoints/ckpt-000001-00000008.pt" \
+        in down.stderr and f"it is kept at {local}/ckpt-000001-00000008.pt" in down.stderr
+    assert "no checkpoint was written yet" not in down.stderr
+    (line,) = [x for x in down.stderr.splitlines() if "could not be uploaded" in x]
+    assert "ckpt-000003-00000036.pt" in line and f"are only in {local}" in line, line
+    assert not [k for k in objects(client, "outage/checkpoints/") if "/ckpt-" in k]
+    again = run_cli(*args, "--run-dir", uri, cwd=tmp_path, **env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "ckpt-000003-00000036.pt, kept here when its upload failed, is uploaded now" \
+        in again.stderr  # fmt: skip
+    assert latest(client, "outage") == "ckpt-000003-00000036.pt"
+    assert not list((tmp_path / local).glob("ckpt-*.pt"))
+    assert_same_run(tmp_path / "whole", tmp_path / mirror(uri))
+
+
+def test_a_second_machine_is_refused_while_the_first_holds_the_run(s3, tmp_path):
+    """Two machines (two working folders) on one s3:// run: the second is refused while
+    the first renews its lock, and nothing of the first's is overwritten; a lock no one
+    renews (a job killed) is taken over. A garbage ``latest`` falls back to the names."""
+    env, client, _ = s3
+    args = [*TINY, "--epochs", "2", "--step-sleep", "0.1", "--checkpoint-every-steps", "4"]
+    uri = "s3://bucket/shared"
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir(), second.mkdir()
+    command = [sys.executable, "-m", "dmltrain", *args, "--run-dir", uri]
+    process = subprocess.Popen(command, cwd=first, env=cli_env(**env), text=True,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not objects(client, "shared/checkpoints/latest"):
+            assert time.monotonic() < deadline and process.poll() is None
+            time.sleep(0.05)
+        refused = run_cli(*args, "--run-dir", uri, cwd=second, **env)
+        assert process.poll() is None  # still running: the refusal was made while it held
+    finally:
+        _, errors = process.communicate(timeout=120)
+    assert process.returncode == 0, errors[-3000:]
+    assert refused.returncode == 2, refused.stderr[-3000:]
+    assert f"--run-dir {uri} is in use by another job" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert "shared/lock" not in objects(client, "shared/")  # released at its end
+    log = objects(client, "shared/")["shared/training_log.csv"].decode()
+    assert len(log.strip().splitlines()) == 3  # the first run's 2 epochs, whole
+    stale = {"owner": "4242", "host": "elsewhere", "pid": 1, "beat": time.time() - 600}
+    client.put_object(Bucket="bucket", Key="shared/lock", Body=json.dumps(stale).encode())
+    client.put_object(Bucket="bucket", Key="shared/checkpoints/latest", Body=b"garbage")
+    again = run_cli(*args, "--epochs", "3", "--run-dir", uri, cwd=second, **env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "shared/checkpoints/latest names no checkpoint" in again.stderr
+    assert "resuming from s3://bucket/shared/checkpoints/ckpt-000002-" in again.stdout
