@@ -243,3 +243,13 @@ def test_a_run_ending_with_checkpoints_only_on_the_local_disk_fails_saying_so(
     assert "checkpoint(s) could not be drained to" in str(said.value)
     assert f"they stay in {local_folder(local, run)} on {os.uname().nodename}" in str(said.value)
     assert [p.name for p in local_folder(local, run).iterdir()] == ["ckpt-000001-00000006.pt.1"]
+
+
+def test_a_local_folder_that_cannot_be_made_sends_checkpoints_to_the_run_directory(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    done = run_cli(*ARGS, "--local-checkpoint-dir", "a-file", "--run-dir", "run", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = [x for x in done.stderr.splitlines() if "--local-checkpoint-dir" in x]
+    assert said == ["WARNING: --local-checkpoint-dir a-file: a rank cannot use it (Not a "
+                    "directory); checkpoints go straight to run/checkpoints"]  # fmt: skip
+    assert (tmp_path / "run/checkpoints/latest.pt").resolve().name == "ckpt-000003-00000036.pt"
