@@ -249,6 +249,11 @@ def _listeners(callbacks: Sequence[Callback], name: str) -> tuple[Callable[..., 
 def create(own: Iterable[Any], names: Iterable[str]) -> list[Callback]:
     """The experiment's callbacks (``create_callbacks()``), then the installed ones named
     (``--callbacks``), each checked to be a ``Callback``."""
+    if own is None or isinstance(own, Callback) or not isinstance(own, Iterable):
+        raise UserError(
+            f"create_callbacks returned {own!r}; return a list of callbacks ([] for none), "
+            "e.g. return [MyCallback()]"
+        )
     made = list(own)
     found = plugins.installed(plugins.CALLBACKS) if names else {}
     for name in names:

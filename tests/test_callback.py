@@ -172,3 +172,33 @@ def test_an_on_close_that_fails_after_a_finished_run_leaves_it_recorded_done(tmp
                    cwd=tmp_path)  # fmt: skip
     assert done.returncode == 1 and "RuntimeError: the upload failed" in done.stderr
     assert json.loads((run / "outcome.json").read_text())["status"] == "done"
+
+
+@pytest.mark.parametrize(
+    "returned, said",
+    [
+        ("none", "create_callbacks returned None; return a list of callbacks"),
+        ("one", "create_callbacks returned <test_callback.test_a_hook_returning_the_wrong_kin"),
+        ("names", "--activation-checkpointing: checkpointed_modules returned '0'; return a list"),
+    ],
+)
+def test_a_hook_returning_the_wrong_kind_is_one_line(tmp_path, returned, said):
+    """``create_callbacks`` giving one callback or None, ``checkpointed_modules`` giving
+    names: one line naming the hook and what to return, before any step."""
+    from dmltrain import TrainConfig
+    from tiny import TinyOptions, TinyTrainer
+
+    class Quiet(Callback):
+        pass
+
+    class Odd(TinyTrainer):
+        def create_callbacks(self):
+            return {"none": None, "one": Quiet()}.get(returned, [])
+
+        def checkpointed_modules(self, model):
+            return ["0"] if returned == "names" else super().checkpointed_modules(model)
+
+    config = TrainConfig(run_dir=str(tmp_path / "run"), epochs=1, progress="off",
+                         activation_checkpointing=returned == "names")  # fmt: skip
+    with pytest.raises(UserError, match="^" + said.replace("(", r"\(").replace("[", r"\[")):
+        Odd(config, TinyOptions()).fit()

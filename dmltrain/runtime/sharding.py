@@ -158,6 +158,13 @@ def checkpoint_activations(modules: list[nn.Module], owner: str) -> None:
             f"--activation-checkpointing: {owner} named no modules; return the blocks to "
             "recompute (the layers of a transformer, say)"
         )
+    odd = [m for m in modules if not isinstance(m, nn.Module)]
+    if isinstance(modules, (str, nn.Module)) or odd:
+        shown = modules if isinstance(modules, (str, nn.Module)) else odd[0]
+        raise UserError(
+            f"--activation-checkpointing: {owner} returned {shown!r}; return a list of the "
+            "model's modules themselves (e.g. list(model.blocks)), not their names"
+        )
     for module in modules:
         norms = [m for m in module.modules() if getattr(m, "track_running_stats", False)]
         vectors = _power_iteration_vectors(module)
