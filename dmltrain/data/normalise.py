@@ -62,13 +62,25 @@ class Stats:
     def load(cls, path: str | Path) -> "Stats":
         try:
             saved = json.loads(Path(path).read_text())
-            return cls(tuple(saved["channels"]), tuple(saved["mean"]), tuple(saved["std"]),
-                       saved.get("source", ""), tuple(saved.get("period", (0, 0))))  # fmt: skip
+            stats = cls(tuple(saved["channels"]), tuple(saved["mean"]), tuple(saved["std"]),
+                        saved.get("source", ""), tuple(saved.get("period", (0, 0))))  # fmt: skip
+            stats.check()
+            return stats
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise UserError(
                 f"{path} is not a statistics file dmltrain can read ({exc}); delete it and "
                 "it is computed again"
             ) from None
+
+    def check(self) -> None:
+        """A ValueError unless there is a name, a mean and a std for each channel."""
+        if not all(isinstance(c, str) for c in self.channels):
+            raise ValueError("a channel's name is not a string")
+        for which, values in (("mean", self.mean), ("std", self.std)):
+            if len(values) != len(self.channels):
+                raise ValueError(f"{len(values)} {which} values for {len(self.channels)} channels")
+            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+                raise ValueError(f"a {which} value is not a number")
 
     def save(self, path: str | Path) -> None:
         """Written whole or not at all (a file renamed into place)."""
@@ -123,14 +135,20 @@ def statistics(archive: Archive, path: str | Path | None) -> Stats:
     path = Path(path)
     if path.exists():
         return Stats.load(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(f"{path.name}.lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if path.exists():  # another process wrote them while this one waited
-            return Stats.load(path)
-        stats = Stats.compute(archive)
-        stats.save(path)
-        return stats
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_name(f"{path.name}.lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if path.exists():  # another process wrote them while this one waited
+                return Stats.load(path)
+            stats = Stats.compute(archive)
+            stats.save(path)
+            return stats
+    except OSError as exc:
+        raise UserError(
+            f"cannot keep the statistics at {path} ({exc.strerror or exc}): give a stats path "
+            "in a folder you can write"
+        ) from None
 
 
 class Normaliser(nn.Module):

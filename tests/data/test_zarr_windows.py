@@ -232,6 +232,10 @@ def test_statistics_over_the_training_period_are_computed_once_kept_and_applied(
 def test_what_it_cannot_read_is_one_line(archives, tmp_path):
     store = str(archives["zarr"])
     (tmp_path / "bad.json").write_text("{")
+    strings = {"channels": ["t500", "t850", "t1000"], "mean": ["a", "b", "c"], "std": [1, 1, 1]}
+    (tmp_path / "strings.json").write_text(json.dumps(strings))
+    (tmp_path / "short.json").write_text(json.dumps({**strings, "mean": [0.0]}))
+    (tmp_path / "a-file").write_text("")
     for args, options, message in (
         ((str(tmp_path / "nothing.nc"), "t"), {}, "cannot be opened as an archive"),
         ((str(tmp_path / "none*.nc"), "t"), {}, "no file matches"),
@@ -242,6 +246,10 @@ def test_what_it_cannot_read_is_one_line(archives, tmp_path):
         ((store, "t"), {"period": ("2001", "2002")}, "holds no time step"),
         ((store, "t", 60), {}, "fewer than the 1 processes"),
         ((store, "t"), {"stats": tmp_path / "bad.json"}, "not a statistics file"),
+        ((store, "t"), {"stats": tmp_path / "strings.json"}, "a mean value is not a number"),
+        ((store, "t"), {"stats": tmp_path / "short.json"}, "1 mean values for 3 channels"),
+        # a folder that cannot be made (root writes in a read-only folder: a file stands in)
+        ((store, "t"), {"stats": tmp_path / "a-file" / "s.json"}, "cannot keep the statistics"),
         ((xr.open_zarr, "t"), {}, "cannot be opened as an archive: TypeError"),
         ((dict, "t"), {}, "returned a dict, not an xarray.Dataset"),
         ((42, "t"), {}, "a path or a function"),
