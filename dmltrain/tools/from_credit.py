@@ -39,8 +39,24 @@ def _amp(on: Any, trainer: dict[str, Any]) -> dict[str, Any]:
     return {"precision": "bf16" if fsdp else "fp16"}
 
 
+def _number(key: str, value: Any, kind: type = float) -> Any:
+    """``value`` as a number of ``kind``; a UserError naming ``key`` where it is not one."""
+    try:
+        if isinstance(value, bool):
+            raise ValueError
+        number = kind(value)
+        if kind is int and number != float(value):
+            raise ValueError
+        return number
+    except (TypeError, ValueError):
+        raise UserError(
+            f"{key}: {value!r} is not a number{' (a whole one)' if kind is int else ''}; "
+            "correct it in the CREDIT config"
+        ) from None
+
+
 def _ema(decay: Any, trainer: dict[str, Any]) -> dict[str, Any]:
-    return {"ema_decay": float(decay)} if trainer.get("use_ema") else {}
+    return {"ema_decay": _number("trainer: ema_decay", decay)} if trainer.get("use_ema") else {}
 
 
 def _clip(norm: Any, _: dict[str, Any]) -> dict[str, Any]:
@@ -85,7 +101,7 @@ def convert(credit: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
         settings["seed"] = credit["seed"]
     data: dict[str, Any] = credit["data"] if isinstance(credit.get("data"), dict) else {}
     if "forecast_len" in data:  # 0: one step
-        settings["rollout"] = f"0:{int(data['forecast_len']) + 1}"
+        settings["rollout"] = f"0:{_number('data: forecast_len', data['forecast_len'], int) + 1}"
     left += [f"data: {key}" for key in data if key != "forecast_len"]
     left += [f"{key}:" for key in credit if key not in ("trainer", "data", "seed", "parallelism")]
     return settings, left
@@ -94,26 +110,47 @@ def convert(credit: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("config", help="a CREDIT config (model.yml)")
     parser.add_argument("-o", "--output", help="file to write (default: print it)")
+    parser.add_argument("--force", action="store_true", help="replace --output if it exists")
 
 
 def run(args: argparse.Namespace) -> int:
     import yaml
 
     path = Path(args.config)
+    output = Path(args.output) if args.output else None
+    if output is not None:
+        _check_output(path, output, args.force)
     try:
         credit = yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        raise UserError(f"{path} cannot be read as YAML: {exc}") from None
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) else str(exc).splitlines()[0]
+        raise UserError(f"{path} cannot be read as YAML: {why}") from None
     settings, left = convert(credit)
     lines = [f"# dmltrain settings from {path.name} (dmltrain from-credit)."]
     if left:
         lines.append("# Not converted; your experiment's to read: " + ", ".join(left))
     text = "\n".join(lines) + "\n" + yaml.safe_dump(settings, sort_keys=False)
-    if args.output:
-        Path(args.output).write_text(text)
+    if output is not None:
+        try:
+            output.write_text(text)
+        except OSError as exc:
+            raise UserError(f"-o {output}: cannot write it ({exc.strerror})") from None
         print(
             f"dmltrain: wrote {args.output}; train with: dmltrain EXPERIMENT --config {args.output}"
         )
     else:
         print(text, end="")
     return 0
+
+
+def _check_output(config: Path, output: Path, force: bool) -> None:
+    """Refuse an ``-o`` that would replace the CREDIT config itself, a folder, or (without
+    ``force``) any file, or that lies in a folder that does not exist."""
+    if output.exists() and config.exists() and output.resolve() == config.resolve():
+        raise UserError(f"-o {output} is the CREDIT config itself; write to another file")
+    if output.is_dir():
+        raise UserError(f"-o {output} is a folder; name a file, e.g. {output / 'dmltrain.yml'}")
+    if output.exists() and not force:
+        raise UserError(f"-o {output} exists; add --force to replace it, or name another file")
+    if not output.parent.is_dir():
+        raise UserError(f"-o {output}: the folder {output.parent} does not exist; create it")

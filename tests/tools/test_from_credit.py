@@ -72,3 +72,25 @@ def test_what_is_not_a_credit_config_is_one_line(tmp_path):
     done = run_cli("from-credit", "bad.yml", cwd=tmp_path)
     assert done.returncode == 2 and "bad.yml cannot be read as YAML" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    "given, args, said",
+    [
+        (b"\x89PNG\r\n\x1a\n\x00\xff", [], "model.yml cannot be read as YAML: 'utf-8' codec"),
+        (b"trainer: {use_ema: true, ema_decay: fast}", [], "ema_decay: 'fast' is not a number"),
+        (b"trainer: {}\ndata: {forecast_len: 2.5}", [], "forecast_len: 2.5 is not a number (a"),
+        (b"trainer: {}", ["-o", "missing/my.yml"], "the folder missing does not exist"),
+        (b"trainer: {}", ["-o", "."], "-o . is a folder; name a file"),
+        (b"trainer: {}", ["-o", "model.yml", "--force"], "is the CREDIT config itself"),
+        (b"trainer: {}", ["-o", "mine.yml"], "-o mine.yml exists; add --force"),
+    ],
+)
+def test_bad_files_values_and_outputs_are_one_line(tmp_path, given, args, said):
+    (tmp_path / "model.yml").write_bytes(given)
+    (tmp_path / "mine.yml").write_text("# the user's own\n")
+    done = run_cli("from-credit", "model.yml", *args, cwd=tmp_path)
+    assert done.returncode == 2, done.stderr
+    assert said in done.stderr and "Traceback" not in done.stderr
+    assert (tmp_path / "model.yml").read_bytes() == given
+    assert (tmp_path / "mine.yml").read_text() == "# the user's own\n"
