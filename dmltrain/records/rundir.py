@@ -129,6 +129,14 @@ def _hold(path: Path, wait: float) -> tuple[Held, str | None]:
             return Held(None), None
 
 
+def hold(path: Path) -> Held | None:
+    """``path`` (a folder, made here) held by this process until ``release``; None where
+    another process holds it (``Held``)."""
+    path.mkdir(parents=True, exist_ok=True)
+    held, why = _hold(path, 0)
+    return None if why else held
+
+
 def in_use(path: Path) -> bool:
     """Whether a running job holds the run directory ``path`` (``Held``)."""
     if not path.is_dir():

@@ -228,7 +228,7 @@ def _say(line: str) -> None:
 def fail_running(sweep: Sweep, slot: int) -> None:
     """A trial whose process ended without telling the study (killed) is failed in it."""
     path = sweep.trial_dir(slot) / TRIAL_FILE
-    if not path.is_file():
+    if not path.is_file() or rundir.in_use(sweep.trial_dir(slot)):  # another job runs it
         return
     search, number = search_of(sweep), TrialFile.read(path).number
     study = _study(sweep, search, slot)
@@ -284,17 +284,35 @@ def finished(sweep: Sweep, slot: int) -> bool:
     return TrialFile.read(path).attempt >= search_of(sweep).retry_failed
 
 
-def summary(sweep: Sweep) -> tuple[list[dict[str, Any]], list[str]]:
+def summary(sweep: Sweep) -> tuple[list[dict[str, Any]], list[str], str | None]:
     """Each slot's row (options, state, value, steps) and the lines that follow the table:
-    the counts by state, the best trial, the steps pruning saved."""
+    the counts by state, the best trial, the steps pruning saved; and what of the study or
+    the trials' files could not be read (their rows then say what the runs' own records
+    do), or None."""
     search = search_of(sweep)
-    trials = _study(sweep, search, 0).get_trials(deepcopy=False)
+    damaged: list[str] = []
+    try:
+        trials = _study(sweep, search, 0).get_trials(deepcopy=False)
+    except Exception as exc:  # a journal truncated, deleted, moved, or not Optuna's
+        trials = []
+        damaged.append(f"the study {storage_of(sweep, search)} cannot be read ({first_line(exc)})")
     rows, saved, planned = [], 0, 0
     for slot in range(search.trials):
         run = sweep.trial_dir(slot)
-        record = TrialFile.read(run / TRIAL_FILE) if (run / TRIAL_FILE).is_file() else None
         outcome = rundir.read_outcome(run) or {}
         row: dict[str, Any] = {"trial": slot, "number": None, "state": "pending"}
+        try:
+            record = TrialFile.read(run / TRIAL_FILE) if (run / TRIAL_FILE).is_file() else None
+        except UserError:
+            record = None
+            damaged.append(f"{run / TRIAL_FILE} is not a trial file")
+            row["state"] = outcome.get("status", "unknown")
+        number = getattr(record, "number", None)
+        if record is not None and not (isinstance(number, int) and 0 <= number < len(trials)):
+            row.update(number=number, state=outcome.get("status", "unknown"))
+            if trials:
+                damaged.append(f"trial {slot}'s number {number!r} is not in the study")
+            record = None
         if record is not None:
             frozen = trials[record.number]
             row.update(number=record.number, **frozen.params, state=frozen.state.name.lower())
@@ -327,7 +345,7 @@ def summary(sweep: Sweep) -> tuple[list[dict[str, Any]], list[str]]:
             f"dmltrain sweep: pruning saved {saved} of {planned} steps ({saved / planned:.0%}) "
             "over the finished trials"
         )
-    return rows, lines
+    return rows, lines, "; ".join(damaged) or None
 
 
 def write_table(sweep: Sweep, rows: list[dict[str, Any]] | None = None) -> None:

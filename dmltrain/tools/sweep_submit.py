@@ -23,8 +23,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+from dmltrain.checkpoint.storage import list_checkpoints
 from dmltrain.errors import EXIT_PEER_LOST, EXIT_REQUEUE, UserError
 from dmltrain.features.search import PRUNERS
+from dmltrain.records import rundir
 from dmltrain.records.files import (
     not_through_a_link,
     read_status_record,
@@ -147,6 +149,28 @@ def run(
     _, config, _ = check_flags([args.experiment, *fixed])  # the fixed flags' own error first
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     sweep = Sweep(Path("runs") / (args.name or f"{args.experiment}-sweep-{stamp}"))
+    held = rundir.hold(sweep.directory) if args.local else None
+    if args.local and held is None:  # a second --local of the same sweep: its trials run
+        raise UserError(
+            f"sweep {sweep.directory} is being run here by another dmltrain sweep --local; "
+            "wait for it to end (dmltrain sweep status shows its trials), or give another --name"
+        )
+    try:
+        return _sweep(sweep, args, fixed, space, config, check_flags)
+    finally:
+        if held is not None:
+            held.release()
+
+
+def _sweep(
+    sweep: Sweep,
+    args: argparse.Namespace,
+    fixed: list[str],
+    space: dict[str, Any],
+    config: Any,
+    check_flags: Callable[[list[str]], Any],
+) -> int:
+    """The sweep (or search) made or checked, then its trials run or submitted."""
     if args.search:
         left = _create_search(sweep, args, fixed, space, config, check_flags)
     else:
@@ -210,11 +234,20 @@ def run_local(sweep: Sweep, left: list[int], parallel: int) -> int:
             code = _run_here(sweep, i, threads if parallel > 1 else None)
             print(f"dmltrain sweep: trial {i}: {sweep.outcome(i)} (exit status {code})", flush=True)
             return code
-        code = 0
+        code, newest = 0, None
         while (ended := search.ready(sweep, i)) is None:
             code = _run_here(sweep, i, threads if parallel > 1 else None)
-            if code != 0:
+            checkpoints = list_checkpoints(sweep.trial_dir(i) / "checkpoints")
+            # killed, or a peer lost, after a checkpoint newer than the last such stop's:
+            # it goes on from there, as a requeued array task would
+            stopped = code < 0 or code == EXIT_PEER_LOST
+            going_on = stopped and bool(checkpoints) and checkpoints[0] != newest
+            if code != 0 and not going_on:
                 search.fail_running(sweep, i)  # killed: nothing else tells the study
+            elif going_on:
+                newest = checkpoints[0] if checkpoints else None
+                print(f"dmltrain sweep: trial {i} stopped (exit status {code}); it goes on "
+                      "from its checkpoint", flush=True)  # fmt: skip
         print(f"dmltrain sweep: trial {i}: {ended} (exit status {code})", flush=True)
         return 0 if ended in search.FINISHED else code or 1
 
@@ -493,7 +526,7 @@ def search_status(sweep: Sweep) -> int:
     """A search's table (and trials.csv): each trial's options, state in the study (a
     queued or running array task shown as such), value and steps; then the counts, the
     best trial and what pruning saved."""
-    rows, lines = search.summary(sweep)
+    rows, lines, damaged = search.summary(sweep)
     queued = scheduler_states(sweep.load()["jobs"])
     for row in rows:
         if row["state"] in ("pending", "paused") and row["trial"] in queued:
@@ -502,6 +535,13 @@ def search_status(sweep: Sweep) -> int:
     _print_table(rows)
     for line in lines:
         print(line)
+    if damaged:
+        print(
+            f"dmltrain sweep: error: {damaged}; the rows above show what the trials' own "
+            "records say (exit status 2)",
+            file=sys.stderr,
+        )
+        return 2
     return 0
 
 

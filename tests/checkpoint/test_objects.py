@@ -173,8 +173,11 @@ def test_an_outage_keeps_the_checkpoints_here_and_the_run_ends_saying_so(s3, tmp
         layer.hold = 0.0
     assert down.returncode == 2, down.stderr[-3000:]
     local = mirror(uri) / "checkpoints"  # relative to the working folder, as said
-    assert "cannot upload checkpoint s3://bucket/outage/checkpoints/ckpt-000001-00000008.pt" \
-        in down.stderr and f"it is kept at {local}/ckpt-000001-00000008.pt" in down.stderr
+    assert (
+        "cannot upload checkpoint s3://bucket/outage/checkpoints/ckpt-000001-00000008.pt"
+        in down.stderr
+        and f"it is kept at {local}/ckpt-000001-00000008.pt" in down.stderr
+    )
     assert "no checkpoint was written yet" not in down.stderr
     (line,) = [x for x in down.stderr.splitlines() if "could not be uploaded" in x]
     assert "ckpt-000003-00000036.pt" in line and f"are only in {local}" in line, line

@@ -435,3 +435,53 @@ def test_a_search_as_a_pbs_array_runs_every_trial(here, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert re.search(r"submitted array job \d+\[\]\.fakepbs \(trials 0-3\)", done.stdout)
     _same_trials(here, tmp_path / "runs" / "pbs")
+
+
+def test_a_local_search_run_twice_or_killed_loses_no_trial(tmp_path):
+    """The same ``sweep --search --local`` started again while it runs is refused, and
+    fails nothing; a trial killed (SIGKILL) after its first checkpoint goes on from it.
+    A damaged study (journal deleted, a trial.json edited) is reported from what the
+    trials' own records say, exit status 2."""
+    import os
+    import signal
+
+    from helpers import cli_env
+
+    (tmp_path / "sweep.yaml").write_text(SPACE)
+    args = [*TINY, "--epochs", "2", "--checkpoint-every-steps", "2", "--step-sleep", "0.5",
+            "--space", "sweep.yaml", "--search", "random", "--trials", "2", "--name", "s",
+            "--local"]  # fmt: skip
+    first = subprocess.Popen([sys.executable, "-m", "dmltrain", "sweep", *args], cwd=tmp_path,
+                             env=cli_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)  # fmt: skip
+    trial = tmp_path / "runs" / "s" / "trial-0"
+    try:
+        wait_for(lambda: (trial / "checkpoints" / "latest.pt").exists(), 120, "a checkpoint")
+        again = run_cli("sweep", *args, cwd=tmp_path)
+        assert again.returncode == 2, again.stderr
+        assert "is being run here by another dmltrain sweep --local" in again.stderr
+        found = subprocess.run(["pgrep", "-f", "--", f"--run-dir {trial.resolve()}$"],
+                               capture_output=True, text=True).stdout.split()  # fmt: skip
+        assert len(found) == 1 and not (trial / "outcome.json").exists(), found
+        os.kill(int(found[0]), signal.SIGKILL)
+        out, _ = first.communicate(timeout=300)
+    finally:
+        first.kill()
+    assert first.returncode == 0, out[-3000:]
+    assert "trial 0 stopped (exit status -9); it goes on from its checkpoint" in out
+    study = load(tmp_path / "runs" / "s" / "study.journal", "s")
+    assert [t.state.name for t in study.trials] == ["COMPLETE", "COMPLETE"], out[-3000:]
+    assert "resuming from" in (trial / "output.log").read_text()
+    assert len(_log(trial)) == 2  # both epochs, each once
+
+    record = json.loads((trial / "trial.json").read_text())
+    (trial / "trial.json").write_text(json.dumps({**record, "number": 99}))
+    status = run_cli("sweep", "status", "runs/s", cwd=tmp_path)
+    assert status.returncode == 2 and "trial 0's number 99 is not in the study" in status.stderr
+    assert "Traceback" not in status.stderr
+    (tmp_path / "runs" / "s" / "study.journal").unlink()
+    status = run_cli("sweep", "status", "runs/s", cwd=tmp_path)
+    assert status.returncode == 2, status.stderr
+    assert "study.journal cannot be read" in status.stderr and "Traceback" not in status.stderr
+    rows = [line.split() for line in status.stdout.splitlines()[1:3]]
+    assert [row[2] for row in rows] == ["done", "done"], status.stdout  # from outcome.json
