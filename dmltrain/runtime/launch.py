@@ -205,6 +205,13 @@ def child_env(extra: dict[str, str]) -> dict[str, str]:
     return {**os.environ, **extra}
 
 
+def quiet_native_warnings() -> None:
+    """Workers started from here (read as they import torch) log torch's C++ errors only,
+    unless the user set TORCH_CPP_LOG_LEVEL: a lost peer's socket warnings come with C++
+    stack frames, and each rank says what was lost in its own line."""
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+
+
 def default_device(local_rank: int = 0) -> str:
     """One process per GPU: local rank N uses cuda:N among the GPUs this process sees,
     counted round (a task that sees only its own GPU, as ``srun --gpus-per-task 1`` gives

@@ -25,7 +25,7 @@ from dmltrain.errors import (
     UserError,
     run_reporting_errors,
 )
-from dmltrain.runtime.launch import DistInfo, spawned
+from dmltrain.runtime.launch import DistInfo, quiet_native_warnings, spawned
 from dmltrain.runtime.preemption import PreemptionWatcher
 
 # What every --nprocs worker imports before it trains, imported once by the fork server
@@ -47,7 +47,10 @@ LEAVING_GRACE_SECONDS = {EXIT_REQUEUE: 60.0, EXIT_BAD_INPUT: 10.0, EXIT_NONFINIT
 # rank's own code, not a node lost. The others get to say what they saw before they are
 # stopped (their roll call waits up to 10 s for the crashed rank).
 CRASHES = ("SIGABRT", "SIGSEGV", "SIGBUS", "SIGILL", "SIGFPE")
-LEAVING_GRACE_SECONDS.update({-int(signal.Signals[name]): 20.0 for name in CRASHES})
+# Signals that end a rank from outside (the OOM killer, kill -9): the others see a lost
+# peer, say so and leave by themselves (their own resources handed back), not stopped.
+KILLS = ("SIGKILL", "SIGTERM")
+LEAVING_GRACE_SECONDS.update({-int(signal.Signals[name]): 20.0 for name in (*CRASHES, *KILLS)})
 
 
 def spawn(
@@ -68,12 +71,19 @@ def spawn(
     that reaches only the parent still checkpoints the run. A worker gets such a signal
     once it catches it: while it still imports torch, the signal would kill it.
     """
+    import logging
+
     import torch.multiprocessing as mp
 
     from dmltrain import compat
 
+    quiet_native_warnings()
+    # torch's own "Terminating process N via signal SIGTERM": the line below says it
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     watcher = PreemptionWatcher(forward)
     orphans = Orphans()
+    semaphores = _semaphores()
+    context = None
     try:
         if start_method == "forkserver":
             compat.start_forkserver(FORKSERVER_PRELOAD, [signal.Signals[n] for n in forward])
@@ -104,25 +114,14 @@ def spawn(
             held += [(process, signum) for signum in received for process in workers]
             held = [(process, signum) for process, signum in held if not _pass_on(process, signum)]
         codes = [w.exitcode for w in context.processes]
+        killed = [i for i, code in enumerate(codes) if code is not None and code < 0]
+        if killed and None not in codes:  # the others saw a lost peer and left: it says why
+            raise _left_first(first_rank + killed[0], codes[killed[0]])
         for said in (EXIT_BAD_INPUT, EXIT_NONFINITE):  # the ranks said why themselves
             if None not in codes and said in codes and set(codes) <= {0, said}:
                 raise RankFailed("said by the ranks", said, said=True)
         context.join()  # raises for the first that failed, and stops the others
     except mp.ProcessExitedException as exc:
-        if exc.signal_name in CRASHES:
-            raise RankFailed(
-                f"rank {first_rank + exc.error_index} crashed ({exc.signal_name}: its own "
-                "native code, or a library's, ended it; its output and the other ranks' lines "
-                "above say where); not a lost node, so nothing is requeued (exit status 1)",
-                1,
-            ) from None
-        if exc.signal_name:  # killed from outside (the OOM killer, kill -9): a lost peer
-            raise RankFailed(
-                f"rank {first_rank + exc.error_index} was killed by {exc.signal_name}; the "
-                "other ranks were stopped, the checkpoints are intact: run the same command "
-                f"to resume (exit status {EXIT_PEER_LOST})",
-                EXIT_PEER_LOST,
-            ) from None
         raise _left_first(first_rank + exc.error_index, exc.exit_code) from None
     except mp.ProcessRaisedException as exc:
         raise RankFailed(f"rank {first_rank + exc.error_index} failed first: {exc}", 1) from None
@@ -131,6 +130,8 @@ def spawn(
         if start_method == "forkserver":
             compat.stop_forkserver()
         orphans.end()
+        if context is not None and any((w.exitcode or 0) < 0 for w in context.processes):
+            _hand_back(semaphores)  # a killed process's, once its own children are gone
 
 
 # The longest path a Unix socket may have: sun_path (108 bytes on Linux, 104 on macOS)
@@ -174,10 +175,58 @@ def _left_first(rank: int, code: int) -> RankFailed | StopForRequeue:
         return StopForRequeue(
             f"checkpoint saved; run the same again to resume (exit status {EXIT_REQUEUE})"
         )
+    name = signal.Signals(-code).name if code < 0 and -code in signal.valid_signals() else ""
+    if name in CRASHES:
+        return RankFailed(
+            f"rank {rank} crashed ({name}: its own native code, or a library's, ended it; "
+            "its output and the other ranks' lines above say where); not a lost node, so "
+            "nothing is requeued (exit status 1)",
+            1,
+        )
+    if name:  # killed from outside (the OOM killer, kill -9): a lost peer
+        return RankFailed(
+            f"rank {rank} was killed by {name}; the other ranks stopped, the checkpoints "
+            f"are intact: run the same command to resume (exit status {EXIT_PEER_LOST})",
+            EXIT_PEER_LOST,
+        )
     return RankFailed(
         f"rank {rank} failed first (exit code {code}); the other ranks were stopped",
         code if code and code > 0 else 1,
     )
+
+
+def _semaphores() -> set[str]:
+    """The POSIX semaphores of this machine (/dev/shm/sem.*), by multiprocessing's name."""
+    with contextlib.suppress(OSError):
+        return {f"/{e.name[4:]}" for e in os.scandir("/dev/shm") if e.name.startswith("sem.mp-")}
+    return set()
+
+
+def _hand_back(before: set[str]) -> None:
+    """After a rank was killed and the others left: its semaphores (made since ``before``,
+    by this user, mapped by no live process) unlinked and struck from the resource tracker,
+    which would clean them up at its end with a "leaked semaphore objects" warning."""
+    import _multiprocessing
+    from multiprocessing import resource_tracker
+
+    left = {name for name in _semaphores() - before if _ours(f"/dev/shm/sem.{name[1:]}")}
+    if not left:
+        return
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError), open(f"/proc/{entry.name}/maps") as maps:
+                    left -= {name for name in left if f"sem.{name[1:]}" in maps.read()}
+    for name in left:
+        with contextlib.suppress(OSError):
+            _multiprocessing.sem_unlink(name)
+            resource_tracker.unregister(name, "semaphore")
+
+
+def _ours(path: str) -> bool:
+    with contextlib.suppress(OSError):
+        return os.stat(path).st_uid == os.getuid()
+    return False
 
 
 _PR_SET_CHILD_SUBREAPER = 36  # prctl(2), Linux

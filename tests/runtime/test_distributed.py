@@ -206,7 +206,7 @@ def test_killed_rank_under_spawn_is_named_and_the_others_stop(tmp_path):
     assert time.monotonic() - started < 90
     assert done.returncode == 5  # a lost peer, as rank 0's own line says: resumable
     assert (
-        "dmltrain: rank 1 was killed by SIGKILL; the other ranks were stopped, the "
+        "dmltrain: rank 1 was killed by SIGKILL; the other ranks stopped, the "
         "checkpoints are intact: run the same command to resume (exit status 5)" in done.stderr
     )
 

@@ -296,6 +296,27 @@ def test_nothing_outlives_a_run_whose_rank_was_killed(tmp_path):
     wait_for(lambda: not marked(mark), 10, "the run's processes to be gone")
 
 
+def test_a_killed_rank_0_is_said_in_dmltrains_lines_alone_and_leaves_no_semaphore(tmp_path):
+    """kill -9 of rank 0 of --nprocs 2 --num-workers 2: rank 1's line and the launcher's,
+    with no C++ frames of torch's socket warnings, no "Terminating process" log, and no
+    resource tracker's "leaked semaphore objects": the killed rank's semaphores are gone
+    from /dev/shm before the tracker ends (a fresh interpreter: its own tracker)."""
+    before = {p.name for p in Path("/dev/shm").glob("sem.mp-*")}
+    args = ["tiny", "--nprocs", "2", "--num-workers", "2", "--epochs", "2", "--batch-size", "4",
+            "--die-rank", "0", "--die-at-step", "3", "--progress", "off",
+            "--run-dir", str(tmp_path / "run")]  # fmt: skip
+    done = run_fresh(args, tmp_path, cli_env())
+    assert done.returncode == 5, done.stderr[-3000:]
+    lines = done.stderr.splitlines()
+    assert len(lines) == 2, done.stderr[-3000:]
+    assert lines[0].startswith("dmltrain: [rank 1] stopping: lost contact with rank 0")
+    assert lines[1] == (
+        "dmltrain: rank 0 was killed by SIGKILL; the other ranks stopped, the "
+        "checkpoints are intact: run the same command to resume (exit status 5)"
+    )
+    assert not {p.name for p in Path("/dev/shm").glob("sem.mp-*")} - before
+
+
 def test_workers_with_loader_workers_hand_back_their_semaphores(tmp_path):
     """--nprocs 2 --num-workers 1: the run ends without the resource tracker's "2 leaked
     semaphore objects" (each worker left before multiprocessing's end of a process)."""
