@@ -435,6 +435,41 @@ def test_a_rank_that_fails_in_its_own_code_fails_the_job_without_a_requeue(
         assert "[rank 0] stopping: rank 1 on " in log and "not a lost node" in log, log[-3000:]
 
 
+ON_LOG_COLLECTIVE = """
+import torch
+import torch.distributed as dist
+from tiny import TinyOptions, TinyTrainer
+
+from dmltrain import Callback, register_experiment
+
+
+class Summed(Callback):
+    def on_log(self, trainer, values):  # rank 0 alone runs it: a bug
+        dist.all_reduce(torch.ones(3))
+
+
+class Tiny(TinyTrainer):
+    def create_callbacks(self):
+        return [Summed()]
+
+
+EXPERIMENT = register_experiment("on-log-collective", Tiny, TinyOptions)
+"""
+
+
+def test_a_collective_in_an_event_only_rank_0_runs_fails_the_job_without_a_requeue(slurm, tmp_path):
+    """A collective in on_log pairs with the other rank's next one (Gloo aborts rank 0):
+    a bug, not a lost node; the job fails once, not requeued."""
+    (tmp_path / "mine.py").write_text(ON_LOG_COLLECTIVE)
+    job = sbatch(tmp_path, "mine.py", "--epochs", "1", "--batch-size", "8", "--log-every", "2",
+                 "--hang-timeout", "20")  # fmt: skip
+    assert ended(job, 120) == "FAILED"
+    log = (tmp_path / "job.out").read_text()
+    assert job_field(job, "Restarts") == "0", log[-3000:]
+    assert "requeueing" not in log
+    assert "rank 0 stopped inside the callback event on_log" in log, log[-3000:]
+
+
 def test_a_job_that_keeps_losing_a_rank_before_a_checkpoint_stops_requeueing(slurm, tmp_path):
     """Rank 1 is killed (SIGKILL) at step 2 of every job, before any checkpoint: the loss is
     requeued DMLTRAIN_MAX_LOST_REQUEUES times (1 here), then the job ends with status 5."""
