@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import ROOT, cli_env, pbs_env
+from helpers import ROOT, cli_env, pbs_env, require
 
 SLURM = ROOT / "slurm"
 SCRIPTS = ["run.sh", "torchrun.sh", "horovod.sh", "pbs/derecho.sh", "pbs/casper.sh"]
@@ -98,3 +98,13 @@ def test_a_count_in_the_file_goes_on_and_ends_the_requeues(tmp_path):
     done = requeue(tmp_path, "3", "5\n0\n")
     assert done.returncode == 5
     assert "lost 4 times in a row" in done.stdout
+
+
+def test_chain_options_reach_sbatch_as_words(tmp_path):
+    """DMLTRAIN_SBATCH holding ``$(...)``: words sbatch refuses; nothing runs, no job."""
+    require("sbatch")
+    mark = tmp_path / "RAN"
+    env = cli_env(DMLTRAIN_SBATCH=f"--partition=x $(touch {mark})")
+    done = bash(SLURM / "chain.sh", tmp_path, env, "2", "tiny")
+    assert done.returncode != 0
+    assert not mark.exists() and "chain.sh: job 1/2" not in done.stdout
