@@ -428,6 +428,16 @@ def _print_config_asked(argv: Sequence[str]) -> bool:
 def main(argv: Sequence[str] | None = None, experiments: Sequence[Experiment] = ()) -> int:
     """Entry point of the ``dmltrain`` command; returns the process exit code."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    if experiments and (not argv or argv[0].startswith("-")):  # python FILE.py [flags]
+        if len(experiments) > 1:
+            names = ", ".join(experiment.name for experiment in experiments)
+            print(
+                f"dmltrain: error: this file registers {len(experiments)} experiments ({names}):"
+                f" name one first, e.g. {experiments[0].name} {' '.join(argv)}".rstrip(),
+                file=sys.stderr,
+            )
+            return 2
+        argv = [experiments[0].name, *argv]
     if argv and argv[0].endswith(".py"):  # dmltrain FILE.py: the experiment it registers
         try:
             from_file = experiment_file(Path(argv[0]))

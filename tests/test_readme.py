@@ -33,7 +33,6 @@ def test_example_runs_from_the_command_line(tmp_path):
         [
             sys.executable,
             "my_experiment.py",
-            "line",
             "--epochs",
             "20",
             "--lr",
@@ -60,6 +59,31 @@ def test_example_runs_from_the_command_line(tmp_path):
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert read_training_log(tmp_path / "two" / "training_log.csv")[-1]["val_loss"] < 0.02
+
+
+def test_the_files_only_experiment_runs_without_its_name(tmp_path):
+    """``python my_experiment.py --epochs 1``: the file registers one experiment, so its
+    flags come first; a file of two names them in one line."""
+    readme_experiment(tmp_path)
+    done = subprocess.run([sys.executable, "my_experiment.py", "--epochs", "1", "--run-dir",
+                           "run"], cwd=tmp_path, env=cli_env(), capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert len(read_training_log(tmp_path / "run" / "training_log.csv")) == 1
+    two = (
+        (tmp_path / "my_experiment.py")
+        .read_text()
+        .replace(
+            "main(experiments=[EXPERIMENT])",
+            "main(experiments=[EXPERIMENT, register_experiment('other', LineTrainer)])",
+        )
+    )
+    (tmp_path / "two.py").write_text(two)
+    done = subprocess.run([sys.executable, "two.py", "--epochs", "1"], cwd=tmp_path,
+                          env=cli_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr == ("dmltrain: error: this file registers 2 experiments (line, other): "
+                           "name one first, e.g. line --epochs 1\n")  # fmt: skip
 
 
 def test_example_runs_from_a_notebook(tmp_path, monkeypatch):
