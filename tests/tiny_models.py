@@ -26,7 +26,8 @@ class ModelOptions:
     )
     schedule: str = field(
         default="",
-        metadata={"help": "cosine or step: a schedule stepped each step, sized by total_steps"},
+        metadata={"help": "cosine or step: a schedule stepped each step, sized by total_steps;"
+                  " plateau: ReduceLROnPlateau on val_loss"},
     )
     two_optimizers: str = field(
         default="",
@@ -153,6 +154,8 @@ def two_optimizers(model: nn.Module, o: ModelOptions) -> list[torch.optim.Optimi
 def scheduler(optimizer, o: ModelOptions, total_steps: int):
     """--schedule or --one-cycle (one of them is given), stepped each step."""
     lr = torch.optim.lr_scheduler
+    if o.schedule == "plateau":  # stepped on each validation's val_loss; "max": it halves
+        return lr.ReduceLROnPlateau(optimizer, mode="max", factor=0.5, patience=0)
     if o.schedule == "cosine":
         return lr.CosineAnnealingLR(optimizer, T_max=total_steps)
     if o.schedule:

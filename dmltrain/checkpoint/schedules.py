@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from torch.optim.lr_scheduler import LRScheduler
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from dmltrain.errors import UserError
 
@@ -57,7 +57,10 @@ def load(
     """``saved`` into ``scheduler``, or the scheduler replayed to the saved position when the
     experiment built a different schedule (see the module's docstring)."""
     fresh = scheduler.state_dict()
-    if not isinstance(scheduler, LRScheduler) or shape(fresh) == shape(saved):
+    follows_steps = isinstance(scheduler, LRScheduler) and not isinstance(
+        scheduler, ReduceLROnPlateau
+    )  # a subclass since torch 2.2: its rate follows the metric, its state is its position
+    if not follows_steps or shape(fresh) == shape(saved):
         scheduler.load_state_dict(saved)
         return
     steps = int(saved["last_epoch"])

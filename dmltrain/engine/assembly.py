@@ -326,6 +326,14 @@ def _compile_data_optimizers(run: Run) -> None:
     run.schedulers = (
         () if run.scheduler is None else contract.several(run.scheduler, "create_scheduler")
     )
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau
+    run.plateaus = tuple(s for s in run.schedulers if isinstance(s, plateau))
+    run.stepped = tuple(s for s in run.schedulers if not isinstance(s, plateau))
+    if run.plateaus and run.val_loader is None:
+        raise UserError(
+            f"create_scheduler: ReduceLROnPlateau steps on a validation's {run.best_metric}, "
+            "and create_datasets returns no validation set; give one, or another scheduler"
+        )
     run.state = TrainState(trainer.device)  # on the device chosen by the strategy
 
 
@@ -403,7 +411,7 @@ def _make_step(run: Run) -> None:
         train_step=run.step_clock.timed(trainer.train_step),
         model=run.model,
         optimizers=run.optimizers,
-        schedulers=run.schedulers if trainer.scheduler_interval == "step" else (),
+        schedulers=run.stepped if trainer.scheduler_interval == "step" else (),
         precision=run.precision,
         strategy=trainer.strategy,
         state=run.state,

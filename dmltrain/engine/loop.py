@@ -15,6 +15,7 @@ from dmltrain.data.batches import chunks
 from dmltrain.engine.budget import Done
 from dmltrain.engine.nan import RollBack
 from dmltrain.engine.run import Run
+from dmltrain.errors import UserError
 from dmltrain.records import rundir
 from dmltrain.records.files import NotWritten
 from dmltrain.records.training_log import write_training_log
@@ -185,6 +186,7 @@ class Loop:
         asked = None
         if val:
             fire(run, run.events.on_validation_end, row)
+            _step_plateaus(run, row)
             asked = run.events.should_stop(trainer, row)  # a search's pruner, ...
         stop_early = run.budget.validated(row)  # counted against the best before it
         best = s.improves(row.get(best_metric), trainer.config.checkpoint.best_mode)
@@ -201,7 +203,7 @@ class Loop:
         """The epoch is done: the scheduler's epoch step, ``on_epoch_end``, the counters."""
         run = self.run
         if self.trainer.scheduler_interval == "epoch":
-            for scheduler in run.schedulers:
+            for scheduler in run.stepped:
                 scheduler.step()
         self.trainer.on_epoch_end(epoch, row)
         fire(run, run.events.on_epoch_end, row)
@@ -293,3 +295,18 @@ def evaluating_model(run: Run) -> Iterator[None]:
         yield
     finally:
         run.model = wrapped
+
+
+def _step_plateaus(run: Run, row: dict[str, Any]) -> None:
+    """ReduceLROnPlateau steps on each validation's --best-metric (every rank's alike)."""
+    if not run.plateaus:
+        return
+    value = row.get(run.best_metric)
+    if value is None:
+        shown = ", ".join(k for k in row if k.startswith(("val_", "train_")))
+        raise UserError(
+            f"ReduceLROnPlateau steps on --best-metric {run.best_metric}, which this "
+            f"validation did not report ({shown}); give --best-metric one of them"
+        )
+    for scheduler in run.plateaus:
+        scheduler.step(value)

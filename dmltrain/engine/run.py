@@ -64,7 +64,9 @@ class Run:
     total_steps: int | None  # by --epochs and --max-steps; None: a stream's, unknown
     optimizers: tuple[Any, ...]  # create_optimizer's, wrapped by the strategy
     scheduler: Any  # create_scheduler's
-    schedulers: tuple[Any, ...]
+    schedulers: tuple[Any, ...]  # all of them, as checkpoints keep them
+    stepped: tuple[Any, ...]  # those stepped each epoch or step (scheduler_interval)
+    plateaus: tuple[Any, ...]  # ReduceLROnPlateau: stepped on --best-metric's value
     state: TrainState  # epoch, steps, best value, log rows (what a checkpoint holds)
     nan_checker: "NanChecker | None"  # --check-nans: settled with the metrics and at saves
     store: "CheckpointStore"  # where checkpoints are (opened before the model: a resume?)

@@ -76,3 +76,22 @@ def test_a_schedule_too_short_for_the_saved_step_is_one_line():
     short = OneCycleLR(torch.optim.SGD([torch.zeros(1)], lr=0.1), 0.1, total_steps=5)
     with pytest.raises(UserError, match=r"cannot reach step 8, where ckpt\.pt is"):
         schedules.load(short, long.state_dict(), Path("ckpt.pt"), print)
+
+
+def test_reduce_lr_on_plateau_steps_on_each_validation_and_resumes_bitwise(tmp_path):
+    """ReduceLROnPlateau (mode max on val_loss, which falls: no validation after the first
+    improves; patience 0, factor 0.5) halves the rate after each validation from the
+    second; a run stopped mid-epoch 2 (SIGUSR1) and resumed ends bitwise equal."""
+    from helpers import AT_ONCE, assert_same_run, log_numbers
+
+    args = [*TINY, "--schedule", "plateau", "--epochs", "3"]
+    whole = run_cli(*args, "--run-dir", "whole", cwd=tmp_path)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    rates = [row["lr"] for row in log_numbers(tmp_path / "whole")]
+    assert rates == [0.001, 0.001, 0.0005], rates  # each row's rate before its validation
+    stop = ["--signal-rank", "0", "--signal-at-step", "17", *AT_ONCE]  # 5 steps into epoch 2
+    cut = run_cli(*args, "--run-dir", "cut", *stop, cwd=tmp_path)
+    assert cut.returncode == 3, cut.stderr[-3000:]
+    again = run_cli(*args, "--run-dir", "cut", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert_same_run(tmp_path / "whole", tmp_path / "cut")
