@@ -112,7 +112,9 @@ class TinyTrainer(BaseTrainer):
     def create_dataloader(self, dataset, train):
         if not self.opts.own_loader:
             return super().create_dataloader(dataset, train)
-        return DataLoader(dataset, batch_size=self.config.batch_size)
+        return DataLoader(dataset, batch_size=self.config.batch_size,
+                          shuffle=train and self.opts.own_shuffle,
+                          num_workers=self.config.num_workers)  # fmt: skip
 
     def create_test_dataset(self):
         if not self.opts.test_samples:

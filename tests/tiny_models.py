@@ -26,8 +26,10 @@ class ModelOptions:
     )
     schedule: str = field(
         default="",
-        metadata={"help": "cosine or step: a schedule stepped each step, sized by total_steps;"
-                  " plateau: ReduceLROnPlateau on val_loss"},
+        metadata={
+            "help": "cosine or step: a schedule stepped each step, sized by total_steps;"
+            " plateau: ReduceLROnPlateau on val_loss"
+        },
     )
     two_optimizers: str = field(
         default="",

@@ -25,6 +25,9 @@ class StreamOptions:
         default=False,
         metadata={"help": "create_dataloader returns torch's DataLoader (no place to save)"},
     )
+    own_shuffle: bool = field(
+        default=False, metadata={"help": "... shuffled by torch's generator (shuffle=True)"}
+    )
     val_stream: bool = field(
         default=False, metadata={"help": "the validation set as a stream (stateful)"}
     )

@@ -239,7 +239,7 @@ class Checkpointer:
         fresh = not any(optimizer.state for optimizer in saved.optimizers)
         partial = state.metrics.state_dict() if state.step_in_epoch else None
         position = None if saved.feed is None else saved.feed.position()
-        if position is not None:  # a stream's own state_dict, inside its loader's
+        if position is not None and "loader" in position:  # a stream loader's state_dict
             _check_loadable(position["loader"], "of the training stream's loader")
         ranks = strategy.gather_object({"rng": rng_state(), "metrics": partial, "data": position})
         # Whole in a full checkpoint (under FSDP every rank takes part in gathering it, rank
@@ -595,13 +595,14 @@ class Checkpointer:
         positions = state.get("data")
         if positions is not None and len(positions) != world:
             where = (
-                f"{path} holds where the training stream was on each of its "
+                f"{path} holds where the training data was on each of its "
                 f"{len(positions)} processes, and this run has {world}"
             )
             if not self.config.restart_streams:
                 raise UserError(
-                    f"{where}: a stream cannot be split anew; resume on {len(positions)} "
-                    "processes, or pass --restart-streams to begin each rank's stream afresh"
+                    f"{where}: a stream (or create_dataloader's own loader) cannot be split "
+                    f"anew; resume on {len(positions)} processes, or pass --restart-streams "
+                    "to begin each rank's afresh"
                 )
             if self.dist.is_main:
                 self.warn(f"{where}: each rank's stream begins afresh (--restart-streams)")

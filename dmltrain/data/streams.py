@@ -26,6 +26,7 @@ from typing import Any
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from dmltrain.config import LoopConfig
+from dmltrain.data import own_loaders
 from dmltrain.data.samples import ResumableSampler, iterate
 from dmltrain.errors import UserError
 
@@ -118,6 +119,10 @@ class TrainFeed:
     def __init__(self, train: DataLoader, loop: LoopConfig, rank: int, world_size: int) -> None:
         self.loader, self.loop, self.rank = train, loop, rank
         self.stream = is_stream(train.dataset)
+        # an experiment's own loader over map-style data (own_loaders); dmltrain's sampler
+        # is told where to start instead
+        self.own = not self.stream and not isinstance(train.sampler, ResumableSampler)
+        self._began: Any = None  # own: its generators as this epoch began
         self.steps = steps_per_epoch(train, loop, world_size)  # None: until the stream ends
         self.strict = self.stream and world_size > 1  # a short stream would unpair ranks
         self._iterator: Iterator[Any] | None = None  # kept across epochs: --steps-per-epoch
@@ -128,11 +133,19 @@ class TrainFeed:
         """The micro-batches left of ``epoch`` (0-based), whose first ``step_in_epoch``
         steps are done."""
         accum = self.loop.grad_accum
+        if self.own:
+            own_loaders.set_epoch(self.loader, epoch)
+            if self._resume is not None and step_in_epoch:  # at the next batch, as it began
+                began, self._resume = self._resume, None
+                rest = own_loaders.resumed(self.loader, began, step_in_epoch * accum)
+                return iterate(rest)
+            self._resume, self._began = None, own_loaders.begin(self.loader)
+            return iterate(self.loader)
         if not self.stream:
             sampler = self.loader.sampler
-            if isinstance(sampler, ResumableSampler):
-                sampler.set_epoch(epoch)
-                sampler.start = step_in_epoch * accum * self.loop.batch_size
+            assert isinstance(sampler, ResumableSampler)
+            sampler.set_epoch(epoch)
+            sampler.start = step_in_epoch * accum * self.loop.batch_size
             return iterate(self.loader)
         if self._resume is not None:  # the iterator goes on from the saved position
             self.loader.load_state_dict(self._resume)  # type: ignore[attr-defined]
@@ -194,6 +207,8 @@ class TrainFeed:
     def position(self) -> Any:
         """This rank's place in the stream; None for a sampler's keys (the counters say
         where those are) and for a loader that cannot say."""
+        if self.own:
+            return None if self._began is None else {"began": self._began}
         state_dict = getattr(self.loader, "state_dict", None)
         if not (self.stream and callable(state_dict)):
             return None
@@ -201,13 +216,29 @@ class TrainFeed:
 
     def takes_position(self, mid_epoch: bool) -> bool:
         """Whether a resume goes on from a saved position: a stream's, in the middle of an
-        epoch, and always under --steps-per-epoch (the stream runs across epochs)."""
+        epoch, and always under --steps-per-epoch (the stream runs across epochs); an own
+        loader's in the middle of an epoch."""
+        if self.own:
+            return mid_epoch
         return self.stream and (mid_epoch or bool(self.loop.steps_per_epoch))
 
     def restore(self, position: Any, say: Callable[[str], None]) -> None:
         """Go on from ``position`` when the next epoch starts. ``say``: a line about a
         stream that cannot resume exactly."""
         name = type(self.loader.dataset).__name__
+        if self.own:
+            if position is None:  # a checkpoint of a dmltrain before own loaders resumed
+                say(
+                    "create_dataloader's loader starts this epoch again from its first batch: "
+                    "the checkpoint does not say how its order began (resume from one this "
+                    "dmltrain saved, or start the epoch anew)"
+                )
+                return
+            self._resume = position["began"]
+            why = own_loaders.inexact(self.loader)
+            if why is not None:
+                say(why)
+            return
         if position is None or not callable(getattr(self.loader, "load_state_dict", None)):
             say(
                 f"the training stream ({name}) starts again from its beginning, so this "
