@@ -241,18 +241,21 @@ class Checkpointer:
         position = None if saved.feed is None else saved.feed.position()
         if position is not None and "loader" in position:  # a stream loader's state_dict
             _check_loadable(position["loader"], "of the training stream's loader")
-        ranks = strategy.gather_object({"rng": rng_state(), "metrics": partial, "data": position})
+        kept = {key: item.state_dict() for key, item in saved.states.items()}  # every rank
+        ranks = strategy.gather_object(
+            {"rng": rng_state(), "metrics": partial, "data": position, "states": kept}
+        )
         # Whole in a full checkpoint (under FSDP every rank takes part in gathering it, rank
         # 0 keeps it); every rank's own shards in a sharded one, with the model's.
         whole = {}  # model-shaped states; in a sharded checkpoint they go with the shards
         if not self.sharded:
             whole = {key: item.state_dict(keep=main) for key, item in saved.shaped.items()}
-        kept = {key: item.state_dict() for key, item in saved.states.items()}  # every rank
         if main:
             for key, value in kept.items():
                 _check_loadable(value, key)
         meta = None
         if ranks is not None:  # rank 0
+            kept, own = split_states([r["states"] for r in ranks])
             positions = [r["data"] for r in ranks]
             meta = {
                 "scheduler": _schedulers_state(saved.schedulers),
@@ -265,6 +268,7 @@ class Checkpointer:
                 **whole,
                 **{f"{key}_sharded": True for key in saved.shaped if self.sharded},
                 **({"states": kept} if kept else {}),
+                **({"rank_states": own} if own else {}),
                 "config": self.run_config,
                 "optimizer_fresh": fresh,
             }
@@ -544,7 +548,8 @@ class Checkpointer:
             elif not (counters and state.get(f"{key}_sharded")):  # else loaded with the shards
                 item.restart()
         if counters:
-            self._load_states(state.get("states", {}), path)
+            own = ranks_own(state.get("rank_states", {}), saved.states, self.dist, path)
+            self._load_states({**state.get("states", {}), **own}, path)
             rank, world = self.dist.rank, self.dist.world_size
             self._restore_position(state, path)
             same = state["world_size"] == world
@@ -636,3 +641,59 @@ def _without(tensors: Any, base: frozenset[str]) -> Any:
 def _shown(location: str) -> Path | str:
     """A checkpoint's location as ``on_load_checkpoint`` gets it: a Path, or a URI."""
     return location if is_uri(location) else Path(location)
+
+
+def split_states(ranks: list[dict[str, Any]]) -> tuple[dict[str, Any], dict[str, list[Any]]]:
+    """The states (``create_states``, the callbacks') every rank holds alike, kept once,
+    and those that differ between ranks (a carried hidden state, a rank's own position),
+    kept as the list of every rank's."""
+    alike: dict[str, Any] = {}
+    own: dict[str, list[Any]] = {}
+    for key, first in ranks[0].items():
+        values = [r.get(key) for r in ranks]
+        if all(_same(first, value) for value in values[1:]):
+            alike[key] = first
+        else:
+            own[key] = values
+    return alike, own
+
+
+def ranks_own(
+    own: dict[str, list[Any]], states: Mapping[str, Any], dist: Any, path: str
+) -> dict[str, Any]:
+    """This rank's part of each per-rank state; at another number of processes, what the
+    state's ``resplit_state(states, world_size)`` makes of the saved ranks' (one a rank),
+    or a UserError where it has none."""
+    mine: dict[str, Any] = {}
+    for key, values in own.items():
+        if len(values) != dist.world_size:
+            resplit = getattr(states.get(key), "resplit_state", None)
+            if not callable(resplit):
+                raise UserError(
+                    f"{path} holds {key!r} for each of its {len(values)} processes, and this "
+                    f"run has {dist.world_size}: resume on {len(values)}, or give the state a "
+                    "method resplit_state(states, world_size) returning one state a rank"
+                )
+            values = list(resplit(values, dist.world_size))
+        mine[key] = values[dist.rank]
+    return mine
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two states are equal, tensors bit for bit."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.shape == b.shape
+            and a.dtype == b.dtype
+            and torch.equal(a.cpu(), b.cpu())
+        )
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    try:
+        return bool(a == b)
+    except Exception:  # a value whose == is not a truth value: different, kept per rank
+        return False

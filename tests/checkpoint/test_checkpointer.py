@@ -237,3 +237,81 @@ def test_how_an_update_runs_is_the_resuming_runs_choice(tmp_path):
     done = run_cli(*args, "--epochs", "2", "--fused", cwd=TESTS)
     assert done.returncode == 0, done.stderr[-2000:]
     assert fused() == [True, True]
+
+
+PER_RANK = """
+import torch
+from tiny import TinyOptions, TinyTrainer
+
+from dmltrain import register_experiment
+
+
+class Carried:
+    '''A value each rank carries on by its own amount (a hidden state, a position).'''
+
+    def __init__(self, rank, resplit):
+        self.value = torch.tensor([float(rank)])
+        if resplit:  # the states of N ranks made into those of M: their sum, on rank 0
+            self.resplit_state = lambda states, world: [
+                {"value": sum(s["value"] for s in states)}] + [
+                {"value": torch.zeros(1)}] * (world - 1)
+
+    def state_dict(self):
+        return {"value": self.value.clone()}
+
+    def load_state_dict(self, state):
+        self.value = state["value"].clone()
+
+
+class Tiny(TinyTrainer):
+    def create_states(self):
+        self.carried = Carried(self.dist.rank, self.opts.dropout > 0)
+        return {"carried": self.carried}
+
+    def train_step(self, batch):
+        if self.model.training:
+            self.carried.value += 1 + self.dist.rank
+        return super().train_step(batch)
+
+    def on_epoch_end(self, epoch, row):
+        with open(self.run_dir / f"carried.{self.dist.rank}.txt", "a") as out:
+            out.write(f"{epoch + 1} {self.carried.value.item():g}\\n")
+
+
+EXPERIMENT = register_experiment("per-rank", Tiny, TinyOptions)
+"""
+
+
+def test_a_state_that_differs_by_rank_comes_back_as_each_ranks_own(tmp_path):
+    """create_states' value differs on the 2 ranks: a run stopped mid-epoch 2 (SIGUSR1)
+    resumes each rank's own (not rank 0's on both), and ends with the values of a run never
+    stopped. At 1 process the resume is refused in one line, unless the state says how
+    to split the ranks' values anew (resplit_state)."""
+    (tmp_path / "mine.py").write_text(PER_RANK)
+    args = ["mine.py", "--epochs", "3", "--batch-size", "8", "--progress", "off",
+            "--nprocs", "2"]  # fmt: skip
+    whole = run_cli(*args, "--run-dir", "whole", cwd=tmp_path)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    ends = [(tmp_path / "whole" / f"carried.{r}.txt").read_text() for r in (0, 1)]
+    assert ends == ["1 6\n2 12\n3 18\n", "1 13\n2 25\n3 37\n"]  # 6 steps an epoch
+    stop = ["--signal-rank", "0", "--signal-at-step", "8", *AT_ONCE]
+    cut = run_cli(*args, "--run-dir", "cut", *stop, cwd=tmp_path)
+    assert cut.returncode == 3, cut.stderr[-3000:]
+    for rank in (0, 1):  # the epochs done before the stop, then the resumed ones
+        (tmp_path / "cut" / f"carried.{rank}.txt").unlink()
+    one = [*args[:-2], "--global-batch-size", "16"]  # the same global batch on 1 process
+    alone = run_cli(*one, "--run-dir", "cut", cwd=tmp_path)
+    assert alone.returncode == 2
+    assert "holds 'carried' for each of its 2 processes, and this run has 1" in alone.stderr
+    again = run_cli(*args, "--run-dir", "cut", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    ends = [(tmp_path / "cut" / f"carried.{r}.txt").read_text() for r in (0, 1)]
+    assert ends == ["2 12\n3 18\n", "2 25\n3 37\n"]
+    cut = run_cli(*args, "--dropout", "0.1", "--run-dir", "split", *stop, cwd=tmp_path)
+    assert cut.returncode == 3, cut.stderr[-3000:]
+    alone = run_cli(*one, "--dropout", "0.1", "--run-dir", "split", cwd=tmp_path)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    # stopped after step 9 (the ranks agree at the next boundary): 9 + 19 on rank 0, then
+    # the 3 steps left of epoch 2 and the 6 of epoch 3, 1 a step
+    assert "split/checkpoints/ckpt-000002-00000009.pt" in alone.stdout
+    assert (tmp_path / "split" / "carried.0.txt").read_text().splitlines()[-2:] == ["2 31", "3 37"]
