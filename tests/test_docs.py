@@ -56,7 +56,7 @@ EXAMPLES = {
 
 def command_lines(text: str) -> list[list[str]]:
     """The dmltrain arguments of each command a page shows, in its shell blocks and its
-    code spans: ``dmltrain ARGS``, ``python FILE.py NAME ARGS``, a batch script of slurm/
+    code spans: ``dmltrain ARGS``, ``python FILE.py [NAME] ARGS``, a batch script of slurm/
     with ARGS, ``DMLTRAIN_ARGS="ARGS"``."""
     found = []
     shell = [body for lang, body in FENCE.findall(text) if lang in ("bash", "sh", "")]
@@ -81,8 +81,9 @@ def _dmltrain_args(words: list[str]) -> list[str] | None:
         return shlex.split(given[0])
     if "dmltrain" in words[:-1]:  # the bare word is the command's name in a sentence
         return words[words.index("dmltrain") + 1 :]
-    if words[:2] == ["python", "my_experiment.py"]:
-        return [words[1], *words[3:]]  # python FILE.py NAME ARGS (the README's file)
+    if words[:2] == ["python", "my_experiment.py"]:  # the README's file: [NAME] ARGS
+        named = len(words) > 2 and not words[2].startswith("-")
+        return [words[1], *words[3 if named else 2 :]]
     scripts = [i for i, w in enumerate(words) if w.startswith("slurm/") and w.endswith(".sh")]
     if scripts:
         args = words[scripts[0] + 1 :]

@@ -114,7 +114,8 @@ class TinyTrainer(BaseTrainer):
             return super().create_dataloader(dataset, train)
         return DataLoader(dataset, batch_size=self.config.batch_size,
                           shuffle=train and self.opts.own_shuffle,
-                          num_workers=self.config.num_workers)  # fmt: skip
+                          num_workers=self.config.num_workers if self.opts.own_shuffle
+                          else 0)  # fmt: skip
 
     def create_test_dataset(self):
         if not self.opts.test_samples:

@@ -149,6 +149,9 @@ def run(
     _, config, _ = check_flags([args.experiment, *fixed])  # the fixed flags' own error first
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     sweep = Sweep(Path("runs") / (args.name or f"{args.experiment}-sweep-{stamp}"))
+    made = next((p for p in reversed(sweep.directory.parents) if not p.exists()), None)
+    if made is None and not sweep.directory.exists():
+        made = sweep.directory
     held = rundir.hold(sweep.directory) if args.local else None
     if args.local and held is None:  # a second --local of the same sweep: its trials run
         raise UserError(
@@ -157,6 +160,11 @@ def run(
         )
     try:
         return _sweep(sweep, args, fixed, space, config, check_flags)
+    except UserError:
+        empty = sweep.directory.is_dir() and not any(sweep.directory.iterdir())
+        if made is not None and empty:  # refused before anything was written: none left
+            shutil.rmtree(made, ignore_errors=True)
+        raise
     finally:
         if held is not None:
             held.release()
