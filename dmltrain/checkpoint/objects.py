@@ -226,11 +226,10 @@ class ObjectStore(CheckpointDir):
         kept = self.kept()  # an earlier job's on this machine, whose upload failed
         if kept and (self._pointer("latest") or "") < kept[0].name:
             try:
-                self._upload(kept[0], kept[0].name, best=False)
+                self._send_kept(kept[0])
             except Exception as exc:
                 raise UserError(f"cannot upload {kept[0]}: {_cannot(self.uri, exc)}") from None
             warn(f"{kept[0]}, kept here when its upload failed, is uploaded now")
-            self._drop_kept(kept[0].name)
         pointed, names = self._pointer("latest", warn), self.names()
         order = [n for n in names if pointed is None or n < pointed]
         if pointed is not None:
@@ -286,6 +285,12 @@ class ObjectStore(CheckpointDir):
         """Checkpoints kept here after a failed upload, newest first."""
         return sorted(self.directory.glob(f"{PREFIX}*{FULL}"), reverse=True)
 
+    def _send_kept(self, newest: Path) -> None:
+        """The newest checkpoint kept here uploaded and published as ``latest``; the kept
+        copies it makes old dropped."""
+        self._upload(newest, newest.name, best=False)
+        self._drop_kept(newest.name)
+
     def _drop_kept(self, uploaded: str) -> None:
         """The kept copies that checkpoint ``uploaded``, now in the store, makes old."""
         for kept in self.kept():
@@ -318,14 +323,13 @@ class ObjectStore(CheckpointDir):
         kept = self.kept()
         if kept:
             try:
-                self._upload(kept[0], kept[0].name, best=False)
+                self._send_kept(kept[0])
             except Exception as exc:
                 raise UserError(
                     f"checkpoint(s) {', '.join(p.name for p in kept)} could not be uploaded "
                     f"to {self.where()} ({_cannot(self.uri, exc)}) and are only in "
                     f"{self.directory} on {socket.gethostname()}; {self._last_good()}"
                 ) from None
-            self._drop_kept(kept[0].name)
         self.keep_records(must=True)
 
     def keep_records(self, must: bool = True) -> None:
