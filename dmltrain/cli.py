@@ -7,7 +7,8 @@ argument of ``main`` (how a script adds its own). This is the one module that us
 argparse-dataclass: flags are generated from the config dataclasses, one argument group
 per concern.
 
-Precedence: dataclass defaults < ``--config FILE`` < flags on the command line.
+Precedence: dataclass defaults < the experiment's ``defaults`` (``register_experiment``) <
+``--config FILE`` < flags on the command line.
 Bad input exits with code 2 and one line on stderr.
 """
 
@@ -19,7 +20,7 @@ import signal
 import sys
 import types
 import typing
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -282,8 +283,11 @@ class _Flags(argparse_dataclass.ArgumentParser):
     ``X | None`` parses as ``X`` (it reads only ``Optional[X]``), and help ends with the
     default."""
 
-    def __init__(self, cls: type, title: str) -> None:
+    def __init__(self, cls: type, title: str, defaults: Mapping[str, Any] | None = None) -> None:
         self._field_defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        self._field_defaults.update(
+            (k, v) for k, v in (defaults or {}).items() if k in self._field_defaults
+        )
         self._section_title = title
         self._section_group: Any = None  # the titled group, made at the first flag
         super().__init__(cls, add_help=False)
@@ -322,7 +326,7 @@ def _experiment_flags(experiment: Experiment) -> list[Any]:  # argparse.Argument
         action="store_true",
         help="print the resolved options (as config.yaml holds them) and exit",
     )
-    flags = [config] + [_Flags(cls, title) for _, title, cls in SECTIONS]
+    flags = [config] + [_Flags(cls, title, experiment.defaults) for _, title, cls in SECTIONS]
     if experiment.config_cls is not None:
         flags.append(_Flags(experiment.config_cls, f"{experiment.name} options"))
     return flags
@@ -352,12 +356,13 @@ def build_parser(experiments: dict[str, Experiment]) -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="experiment", metavar="EXPERIMENT", required=True)
     for experiment in sorted(experiments.values(), key=lambda e: e.name):
-        commands.add_parser(
+        command = commands.add_parser(
             experiment.name,
             help=experiment.help,
             description=experiment.help,
             parents=_experiment_flags(experiment),
         )
+        command.set_defaults(**experiment.defaults)
     for name, (text, add_arguments, _) in TOOLS.items():
         add_arguments(commands.add_parser(name, help=text, description=text))
     return parser
@@ -373,6 +378,7 @@ def parse(
     classes = [TrainConfig] + ([experiment.config_cls] if experiment.config_cls else [])
     if namespace.config:  # the file's values become the defaults; flags still override them
         parser = _Parser(prog=f"dmltrain {experiment.name}", parents=_experiment_flags(experiment))
+        parser.set_defaults(**experiment.defaults)
         parser.set_defaults(**load_config_file(namespace.config, classes))
         namespace = parser.parse_args(argv[1:])
     values = vars(namespace)

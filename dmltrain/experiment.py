@@ -10,6 +10,7 @@ import sys
 import traceback
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,12 +41,22 @@ class Experiment:
     trainer_cls: type[BaseTrainer]
     config_cls: type | None = None
     help: str = ""
+    # the experiment's own defaults of built-in settings (TrainConfig's, by flat name)
+    defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def register_experiment(
-    name: str, trainer_cls: type[BaseTrainer], config_cls: type | None = None, help: str = ""
+    name: str,
+    trainer_cls: type[BaseTrainer],
+    config_cls: type | None = None,
+    help: str = "",
+    defaults: Mapping[str, Any] | None = None,
 ) -> Experiment:
     """Describe an experiment for the CLI.
+
+    ``defaults`` sets the experiment's own defaults of built-in settings by name
+    (``{"lr": 20.0, "batch_size": 20}``): ``--help`` and ``--print-config`` show them, and
+    a ``--config`` file and flags override them.
 
     Expose the result through the ``dmltrain.experiments`` entry-point group
     (``mnist = dmltrain_experiments.mnist:EXPERIMENT``) or pass it to ``main(experiments=[...])``.
@@ -64,7 +75,24 @@ def register_experiment(
         if clash:
             raise ValueError(f"options of {name!r} reuse built-in names: {sorted(clash)}")
         _check_option_types(name, config_cls)
-    return Experiment(name, trainer_cls, config_cls, help)
+    return Experiment(name, trainer_cls, config_cls, help, _checked_defaults(name, defaults))
+
+
+def _checked_defaults(name: str, defaults: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``defaults`` as given, once each is known to be a built-in setting that takes its
+    value (the sections' own checks run on it)."""
+    given = dict(defaults or {})
+    unknown = sorted(set(given) - set(field_names(TrainConfig)))
+    if unknown:
+        raise ValueError(
+            f"defaults of {name!r} name no built-in setting: {unknown} (they are TrainConfig's "
+            "flat names, e.g. lr, batch_size, seed, grad_clip, epochs, optimizer)"
+        )
+    try:
+        TrainConfig(**given)
+    except (UserError, TypeError, ValueError) as exc:
+        raise ValueError(f"defaults of {name!r}: {exc}") from None
+    return given
 
 
 _SCALARS = (int, float, str, bool)

@@ -124,7 +124,7 @@ class TrainerHooks(abc.ABC):
         if streams.is_stream(dataset):
             return streams.loader(dataset, cfg.batch_size, cfg.num_workers, pin)
         sampler: Sampler[tuple[int, int] | int] = (
-            self.strategy.train_sampler(dataset, cfg.seed)
+            self.strategy.train_sampler(dataset, cfg.seed, cfg.shuffle)
             if train
             else self.strategy.val_sampler(dataset)
         )

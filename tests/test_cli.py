@@ -1,4 +1,6 @@
+import contextlib
 import gc
+import io
 import re
 import shutil
 import struct
@@ -244,6 +246,39 @@ def test_register_rejects_options_that_shadow_builtins():
         register_experiment("clash", SquareTrainer, Clash)
     with pytest.raises(TypeError):
         register_experiment("notatrainer", object)  # type: ignore[arg-type]
+
+
+def test_an_experiments_own_defaults_sit_between_the_builtins_and_a_config_file(tmp_path):
+    """register_experiment(defaults=...): a port's lr 20, batch 20, seed 1111 and clip 0.25
+    without repeating them on each command line; --config and flags still override them
+    (cli.py: dataclass defaults < the experiment's < --config FILE < flags)."""
+    own = {"lr": 20.0, "batch_size": 20, "seed": 1111, "grad_clip": 0.25, "check_nans": True}
+    ported = register_experiment("ported", SquareTrainer, SquareOptions, defaults=own)
+    known = {"ported": ported}
+    _, config, options = parse(["ported"], known)
+    assert (config.lr, config.batch_size, config.seed, config.grad_clip) == (20.0, 20, 1111, 0.25)
+    assert config.check_nans is True and config.epochs == 0 and options.width == 4
+    path = tmp_path / "c.yaml"
+    path.write_text("lr: 5\nepochs: 3\n")
+    _, config, _ = parse(["ported", "--config", str(path)], known)
+    assert (config.lr, config.epochs, config.seed) == (5.0, 3, 1111)
+    _, config, _ = parse(["ported", "--config", str(path), "--lr", "7", "--no-check-nans"], known)
+    assert (config.lr, config.check_nans, config.batch_size) == (7.0, False, 20)
+    _, plain, _ = parse(["square"], {"square": SQUARE})  # another experiment keeps torch's own
+    assert (plain.lr, plain.seed) == (1e-3, 0)
+    shown = io.StringIO()
+    with contextlib.redirect_stdout(shown), pytest.raises(SystemExit):
+        main(["ported", "--help"], experiments=[ported])
+    flat = " ".join(shown.getvalue().split())
+    assert "(default: 20.0)" in flat and "(default: 1111)" in flat and "(default: 0.25)" in flat
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        assert main(["ported", "--print-config", "--seed", "3"], experiments=[ported]) == 0
+    assert "\nlr: 20.0\n" in printed.getvalue() and "\nseed: 3\n" in printed.getvalue()
+    with pytest.raises(ValueError, match=r"name no built-in setting: \['width'\]"):
+        register_experiment("bad", SquareTrainer, SquareOptions, defaults={"width": 3})
+    with pytest.raises(ValueError, match="--batch-size must be at least 1"):
+        register_experiment("bad", SquareTrainer, defaults={"batch_size": 0})
 
 
 def test_plot_writes_a_png_of_the_curves(tmp_path):

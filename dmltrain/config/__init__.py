@@ -107,6 +107,13 @@ class LoopConfig:
             "counts every sample)"
         },
     )
+    shuffle: bool = field(
+        default=True,
+        metadata={
+            "help": "a new order of the training samples each epoch (--no-shuffle: in order, "
+            "for sequences whose batches follow on; rank r of w takes every w-th)"
+        },
+    )
     grad_accum: int = field(
         default=1, metadata={"help": "accumulate gradients of N batches per optimizer step"}
     )

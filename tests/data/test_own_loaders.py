@@ -30,13 +30,19 @@ def stopped_and_resumed(tmp_path: Path, args: list[str], step: int) -> Path:
 
 def test_a_loader_in_order_resumes_at_the_next_batch_and_ends_its_epoch_in_place(tmp_path):
     """DataLoader(shuffle=False), 64 samples in batches of 8: stopped after step 3 of 8,
-    the resume trains batches 3..7 as steps 4..8, and epoch 2 starts at batch 0."""
+    the resume trains batches 3..7 as steps 4..8, and epoch 2 starts at batch 0.
+    dmltrain's loader with --no-shuffle reads them in that order too."""
     args = [*TINY, "--epochs", "2", "--samples", "64", "--own-loader", "--record-samples"]
     whole = run_cli(*args, "--run-dir", "whole", cwd=tmp_path)
     assert whole.returncode == 0, whole.stderr[-3000:]
     run = stopped_and_resumed(tmp_path, args, 3)
     first = [f"1 {s} " + " ".join(str(i) for i in range(8 * (s - 1), 8 * s)) for s in range(1, 9)]
     assert recorded(tmp_path / "whole")[:8] == first
+    # --no-shuffle: dmltrain's own loader reads the same order, without a loader written
+    plain = [*TINY, "--epochs", "1", "--samples", "64", "--no-shuffle", "--record-samples"]
+    ordered = run_cli(*plain, "--run-dir", "ordered", cwd=tmp_path)
+    assert ordered.returncode == 0, ordered.stderr[-3000:]
+    assert recorded(tmp_path / "ordered") == first
     # the batch of step 4 was read before the stop took effect at step 3's end: it was not
     # trained (the log and weights say so below), and it is trained once after the resume
     lines = recorded(run)

@@ -128,13 +128,14 @@ class Strategy:
         """``step(optimizer)``: the update, after ``sync_gradients``."""
         step(optimizer)
 
-    def train_sampler(self, dataset: Dataset, seed: int) -> ResumableSampler:
-        """The same global permutation for any world size; rank r takes every w-th sample."""
+    def train_sampler(self, dataset: Dataset, seed: int, shuffle: bool = True) -> ResumableSampler:
+        """The same global permutation (or order) for any world size; rank r takes every
+        w-th sample."""
         return ResumableSampler(
             dataset,
             num_replicas=self.info.world_size,
             rank=self.info.rank,
-            shuffle=True,
+            shuffle=shuffle,
             seed=seed,
             drop_last=False,
         )
