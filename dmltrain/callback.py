@@ -66,6 +66,8 @@ class TrainerView(Protocol):
     def step_in_epoch(self) -> int: ...
     @property
     def global_step(self) -> int: ...
+    @property
+    def best_value(self) -> float | None: ...
 
     def log_metrics(self, values: dict[str, Any], step: int | None = None) -> None: ...
 
@@ -80,10 +82,11 @@ class Callback:
     In a run's order: ``on_setup``, ``on_load_checkpoint`` (when one is loaded),
     ``on_train_start``, then per epoch ``on_epoch_start``, per step
     ``on_before_optimizer_step`` and ``on_step_end`` (``scalars`` and ``on_log`` at each
-    log interval), ``on_validation_end``, ``on_epoch_end``; ``on_save_checkpoint`` before
-    each checkpoint; at the end ``on_train_end``, ``on_stop`` and ``on_close`` however the
-    run ends. Every event runs on every rank except ``on_log`` (rank 0). A collective may be
-    called only in an event every rank fires in step: not ``on_log``.
+    log interval), ``on_validation_start`` and ``on_validation_end``, ``on_epoch_end``;
+    ``on_save_checkpoint`` before each checkpoint; at the end ``on_train_end``, ``on_stop``
+    and ``on_close`` however the run ends. Every event runs on every rank except ``on_log``
+    (rank 0). A collective may be called only in an event every rank fires in step: not
+    ``on_log``.
 
     The advanced events (``scalars``, ``validation``, ``around_long_work``, ``explain``,
     ``on_stop``) are how the built-in features (EMA, profiler, watchdog, steps.csv) plug in.
@@ -126,6 +129,9 @@ class Callback:
         """More ``val_*`` columns for a validation's row (``validate`` runs it again, e.g.
         with other weights swapped in); every rank."""
         return {}
+
+    def on_validation_start(self, trainer: TrainerView) -> None:
+        """Before a validation (at the epoch's end, and within it with --val-every-steps)."""
 
     def on_validation_end(self, trainer: TrainerView, row: Mapping[str, Any]) -> None:
         """After a validation (at the epoch's end, and within it with --val-every-steps):
@@ -191,6 +197,7 @@ class Events:
         self.on_log = listeners["on_log"]
         self.on_log_metrics = listeners["on_log_metrics"]
         self._validation = listeners["validation"]
+        self.on_validation_start = listeners["on_validation_start"]
         self.on_validation_end = listeners["on_validation_end"]
         self._should_stop = listeners["should_stop"]
         self.on_epoch_end = listeners["on_epoch_end"]

@@ -66,8 +66,10 @@ class TrainerHooks(abc.ABC):
         list of several; None. With several optimizers, ``optimizer`` is their tuple."""
         return None
 
-    def val_step(self, batch: Any) -> Mapping[str, Tensor | float]:
-        """Validation metrics of one batch; by default the training loss."""
+    def val_step(self, batch: Any) -> Mapping[str, Tensor | float | tuple[Any, Any]]:
+        """Validation metrics of one batch; by default the training loss. Each is averaged
+        over the samples of every batch and rank; one given as ``(value, weight)`` (e.g.
+        ``(loss, tokens)``) is averaged by its weight instead."""
         if self.manual_optimization:
             raise UserError(
                 f"{type(self).__name__} has manual_optimization: define val_step(batch) "
@@ -88,7 +90,7 @@ class TrainerHooks(abc.ABC):
         """A test dataset for ``--evaluate`` (``test_*`` metrics) and ``--predict``; None."""
         return None
 
-    def test_step(self, batch: Any) -> Mapping[str, Tensor | float]:
+    def test_step(self, batch: Any) -> Mapping[str, Tensor | float | tuple[Any, Any]]:
         """Test metrics of one batch (``--evaluate``); by default ``val_step``'s."""
         return self.val_step(batch)
 
@@ -156,8 +158,18 @@ class TrainerHooks(abc.ABC):
     def on_epoch_start(self, epoch: int) -> None:
         """Called before each epoch (0-based)."""
 
+    def on_validation_start(self) -> None:
+        """Called before each validation (at an epoch's end, and within it with
+        --val-every-steps), the model in eval mode after."""
+
+    def on_validation_end(self, row: dict[str, Any]) -> None:
+        """Called after each validation with its row of the training log (``val_*``
+        included), before callbacks' ``on_validation_end`` and ``best_value`` is updated."""
+
     def on_epoch_end(self, epoch: int, metrics: dict[str, float]) -> None:
-        """Called after each epoch with the row just written to the training log."""
+        """Called after each epoch with the row just written to the training log, after the
+        epoch's scheduler step and before the epoch's checkpoint (which keeps what it
+        changed)."""
 
     def on_train_end(self) -> None:
         """Called once after the last epoch."""

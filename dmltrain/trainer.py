@@ -162,6 +162,12 @@ class BaseTrainer(TrainerHooks):
         return total
 
     @property
+    def best_value(self) -> float | None:
+        """The best --best-metric value of the run's validations so far (over all its jobs;
+        None before the first)."""
+        return self.__run.state.best_value
+
+    @property
     def global_step(self) -> int:
         """Optimizer steps taken, over all epochs and resumes."""
         return self.__run.state.global_step
@@ -230,11 +236,15 @@ class BaseTrainer(TrainerHooks):
         forward in it, and the gradients are synchronised once, by the last backward."""
         return self.__step(OptimizerStep, "no_sync()").no_sync()
 
-    def optimizer_step(self, optimizer: Any) -> None:
+    def optimizer_step(self, optimizer: Any, closure: Any = None) -> Any:
         """In ``train_step`` with ``manual_optimization``: ``optimizer``'s update, its
         gradients averaged over the ranks, unscaled, checked (--check-nans) and clipped
-        (--grad-clip); at the last micro-batch of an accumulation, a no-op before it."""
-        self.__step(ManualStep, "optimizer_step()").optimizer_step(optimizer)
+        (--grad-clip); at the last micro-batch of an accumulation, a no-op before it.
+        ``closure`` is for an optimizer that evaluates the loss several times a step
+        (LBFGS): it zeroes the gradients, runs the forward, calls ``self.backward(loss)``
+        and returns the loss; each call's gradients are averaged over the ranks. Returns
+        what ``optimizer.step(closure)`` returned (LBFGS: the step's first loss)."""
+        return self.__step(ManualStep, "optimizer_step()").optimizer_step(optimizer, closure)
 
     def __step(self, kind: type[Step], what: str) -> Step:
         """The run's step, of the ``kind`` that ``self.WHAT`` is for; else one line."""

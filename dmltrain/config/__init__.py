@@ -130,6 +130,14 @@ class LoopConfig:
         default=0.0, metadata={"help": "weight decay of the default optimizer"}
     )
     seed: int = field(default=0, metadata={"help": "random seed (model init, data order, dropout)"})
+    seed_once: bool = field(
+        default=False,
+        metadata={
+            "help": "seed torch, numpy and Python once from --seed before create_model and "
+            "draw on, as a script that seeds once does (default: torch before create_model, "
+            "then all three again from seed + rank)"
+        },
+    )
     run_dir: str | None = field(
         default=None,
         metadata={

@@ -238,12 +238,15 @@ def _start(run: Run, evaluating: bool) -> ProfilerFeature | None:
 def _model(run: Run, adapt: Adapt | None) -> Adapt:
     """``create_model``'s model, adapted for a fine-tune, placed and wrapped: the same
     initial weights on every rank; then each rank's own generators (dropout,
-    augmentation)."""
+    augmentation), unless ``--seed-once`` leaves them where the model's draws left them."""
     trainer = run.trainer
     cfg, dist = trainer.config, trainer.dist
     if adapt is None:  # --evaluate, --predict: the checkpoint's weights as they are
         adapt = _adapt(run, FinetuneConfig())
-    torch.manual_seed(cfg.loop.seed)
+    if cfg.loop.seed_once:  # a script's one seeding: its later draws follow the model's
+        rng.seed_everything(cfg.loop.seed)
+    else:
+        torch.manual_seed(cfg.loop.seed)
     run.model = sharding.place(
         trainer.create_model,
         adapt,
@@ -258,7 +261,8 @@ def _model(run: Run, adapt: Adapt | None) -> Adapt:
         dist.world_size,
         trainer.device,
     )
-    rng.seed_everything(cfg.loop.seed + dist.rank)
+    if not cfg.loop.seed_once:
+        rng.seed_everything(cfg.loop.seed + dist.rank)
     return adapt
 
 
@@ -317,6 +321,8 @@ def _compile_data_optimizers(run: Run) -> None:
         loop = cfg.loop
     run.total_steps = total_steps(loop, run.feed.steps)
     made = contract.several(trainer.create_optimizer(run.model), "create_optimizer")
+    if not trainer.manual_optimization:
+        contract.steps_without_closure(made)
     run.optimizers = tuple(
         trainer.strategy.wrap_optimizer(o, run.model, loop.grad_accum, trainer.manual_optimization)
         for o in made

@@ -3,7 +3,8 @@ shows, so the user reads which method returned what and what it must return inst
 an error from deep inside torch. The training step's checks cost nothing while the
 contract holds: they run only once torch has raised."""
 
-from collections.abc import Mapping
+import inspect
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -96,3 +97,19 @@ def data(exc: BaseException) -> UserError | None:
             "create_dataloader a collate_fn that pads them"
         )
     return None
+
+
+def steps_without_closure(optimizers: Sequence[Any]) -> None:
+    """The automatic step calls ``optimizer.step()``; one whose step needs a closure (LBFGS
+    evaluates the loss several times a step) is refused here, with what to do instead."""
+    for optimizer in optimizers:
+        try:
+            closure = inspect.signature(optimizer.step).parameters.get("closure")
+        except (TypeError, ValueError):  # a step inspect cannot read: tried as it is
+            continue
+        if closure is not None and closure.default is inspect.Parameter.empty:
+            raise UserError(
+                f"{type(optimizer).__name__}.step needs a closure (it evaluates the loss "
+                "several times a step): set manual_optimization = True and call "
+                "self.optimizer_step(optimizer, closure) in train_step"
+            )

@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader
 from dmltrain.data import streams
 from dmltrain.data.batches import batch_size_of, to_device
 from dmltrain.engine import contract, metric_objects
-from dmltrain.engine.metrics import MetricAccumulator
+from dmltrain.engine.metrics import MetricAccumulator, WeightedMeans
 from dmltrain.engine.precision import Precision
 from dmltrain.errors import StopForRequeue, UserError
 from dmltrain.records.files import write_atomic
@@ -64,10 +64,10 @@ class Evaluator:
     def metrics(
         self, loader: DataLoader, step: Callable[[Any], Any]
     ) -> tuple[dict[str, float], int]:
-        """The sample-weighted means of ``step``'s metrics over every rank's shard, with the
-        metric objects' values over all of it (``metric_objects``), and the number of
-        samples they count."""
-        metrics = MetricAccumulator(self.device)
+        """The sample-weighted means of ``step``'s metrics over every rank's shard (those it
+        returns as ``(value, weight)`` weighted by their weight), with the metric objects'
+        values over all of it (``metric_objects``), and the number of samples they count."""
+        metrics, weighted = MetricAccumulator(self.device), WeightedMeans(self.device)
         method = getattr(step, "__name__", "val_step")
         metric_objects.reset(self.objects)
         for values, n in self.batches(loader, step):
@@ -75,10 +75,17 @@ class Evaluator:
                 values = metric_objects.feed(
                     self.objects, contract.step_metrics(values, method), method
                 )
+                if any(isinstance(v, tuple) for v in values.values()):  # (value, weight)
+                    for name, pair in values.items():
+                        if isinstance(pair, tuple):
+                            weighted.update(name, pair, method)
+                    values = {k: v for k, v in values.items() if not isinstance(v, tuple)}
                 metrics.update(values, n)
         count = torch.tensor([float(metrics.count)], device=self.device)
         total = int(self.strategy.all_reduce_sum(count).item())
         results = metrics.compute(self.strategy.all_reduce_sum)
+        if weighted:
+            results.update(weighted.compute(self.strategy.all_reduce_sum))
         if total:
             results.update(metric_objects.compute(self.objects))
         return results, total

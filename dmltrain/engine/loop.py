@@ -165,7 +165,11 @@ class Loop:
         run, trainer = self.run, self.trainer
         s, best_metric = run.state, run.best_metric
         train = train_means(run)
-        val = validate(run) if run.val_loader is not None else {}
+        val = {}
+        if run.val_loader is not None:
+            trainer.on_validation_start()
+            fire(run, run.events.on_validation_start)
+            val = validate(run)
         if val:
             val.update(run.events.validation(trainer, functools.partial(validate, run)))
         row: dict[str, Any] = {"epoch": epoch + 1, "step": s.global_step}
@@ -185,6 +189,7 @@ class Loop:
         run.progress.epoch_summary(row, partial)
         asked = None
         if val:
+            trainer.on_validation_end(row)
             fire(run, run.events.on_validation_end, row)
             _step_plateaus(run, row)
             asked = run.events.should_stop(trainer, row)  # a search's pruner, ...

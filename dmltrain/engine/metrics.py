@@ -1,7 +1,9 @@
 """Sample-weighted metric means that stay on the device until they are read."""
 
+import math
 from collections.abc import Callable, Mapping
 from operator import itemgetter
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -177,6 +179,40 @@ class MetricAccumulator:
         total, rode = totals[len(names)], totals[len(names) + 1 :]
         means = dict(zip(names, totals[: len(names)], strict=True))
         return ({name: v / total for name, v in means.items()} if total else {}), rode
+
+
+class WeightedMeans:
+    """``val_step``'s ``(value, weight)`` metrics: the sum of value x weight over the sum of
+    weight, over every batch and rank (a token-weighted loss: ``{"loss": (mean, tokens)}``).
+    Sums in float64 on the device (no host sync a batch); ``compute`` reduces them at once."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.dtype = torch.float32 if device.type == "mps" else torch.float64  # mps has no f64
+        self._sums: dict[str, Tensor] = {}  # name -> [sum of value x weight, sum of weight]
+
+    def update(self, name: str, pair: tuple[Any, ...], method: str) -> None:
+        try:
+            value, weight = (
+                torch.as_tensor(part, dtype=self.dtype, device=self.device).reshape(())
+                for part in pair
+            )
+        except (ValueError, RuntimeError, TypeError):
+            raise UserError(
+                f"{method} returned {name!r} as a tuple of {len(pair)}: a weighted metric is "
+                "(value, weight), two numbers or one-element tensors, e.g. (loss, tokens)"
+            ) from None
+        pair_sum = torch.stack([value * weight, weight])
+        kept = self._sums.get(name)
+        self._sums[name] = pair_sum if kept is None else kept + pair_sum
+
+    def __bool__(self) -> bool:
+        return bool(self._sums)
+
+    def compute(self, reduce: Callable[[Tensor], Tensor]) -> dict[str, float]:
+        names = list(self._sums)
+        totals = reduce(torch.stack([self._sums[n] for n in names])).tolist()
+        return {n: v / w if w else math.nan for n, (v, w) in zip(names, totals, strict=True)}
 
 
 def merge_states(states: list[dict | None]) -> dict | None:

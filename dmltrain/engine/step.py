@@ -374,14 +374,18 @@ class ManualStep:
             )
         return owned
 
-    def optimizer_step(self, optimizer: Any) -> None:
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Tensor] | None = None) -> Any:
         """``optimizer``'s update, at the last micro-batch of an accumulation (before it:
-        nothing): its gradients averaged over the ranks, unscaled, checked, clipped."""
+        nothing): its gradients averaged over the ranks, unscaled, checked, clipped. With
+        ``closure`` (LBFGS), ``optimizer.step`` calls it as often as it needs (``closed``),
+        and what it returns (LBFGS: the first loss) is returned."""
         self._check("optimizer_step")
         if self._calls is not None:
             self._calls[1] += 1
+        if closure is not None:
+            return self._closed(optimizer, closure)
         if not self._last:
-            return
+            return None
         params = self._owned(optimizer)[0]
         self.strategy.average_gradients([p for p in params if p.grad is not None])
         checker = self.nan_checker
@@ -396,6 +400,38 @@ class ManualStep:
         )
         if applied:  # a later loss of the step may reach these parameters again
             optimizer.zero_grad()
+
+    def _closed(self, optimizer: Any, closure: Callable[[], Tensor]) -> Any:
+        """``optimizer.step`` with a closure (LBFGS: several forwards a step). Each call of
+        ``closure`` (zero_grad, forward, ``self.backward(loss)``, return loss) is followed
+        by the gradients' average over the ranks, the callbacks' look and clipping; the
+        optimizer is given the loss averaged over the ranks, so every rank decides alike."""
+        why = None
+        if self._micro_batches > 1:
+            why = "a step of --grad-accum micro-batches (give --grad-accum 1)"
+        elif self.precision.scaler is not None:
+            why = "fp16's loss scaling (give --precision bf16 or fp32)"
+        elif self.nan_checker is not None:
+            why = "--check-nans, which checks a step's gradients once (drop it)"
+        if why is not None:
+            raise UserError(f"self.optimizer_step(optimizer, closure) does not work with {why}")
+        params = self._owned(optimizer)[0]
+        world = self.strategy.info.world_size
+
+        def evaluated() -> Tensor:
+            loss = closure()
+            self.strategy.average_gradients([p for p in params if p.grad is not None])
+            for call in self.before_update:
+                call()
+            if self.grad_clip:
+                self.grad_norm = torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
+            if world == 1:
+                return loss
+            return self.strategy.all_reduce_sum(loss.detach().reshape(1))[0] / world
+
+        result = optimizer.step(evaluated)
+        optimizer.zero_grad()
+        return result
 
     def _check(self, what: str) -> int:
         if not self._micro_batches:

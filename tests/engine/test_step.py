@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from helpers import run_cli, run_of
 
-from dmltrain import TrainConfig
+from dmltrain import TrainConfig, UserError
 from dmltrain.engine.step import OptimizerStep
 from dmltrain.records.training_log import read_training_log
 from tiny import TinyOptions, TinyTrainer
@@ -135,3 +135,64 @@ def test_a_manual_step_that_would_train_nothing_or_apart_is_one_line(
     lines = [x for x in done.stderr.splitlines() if x.startswith("dmltrain: error:")]
     assert len(lines) == 1 and said in lines[0] and "first step" in lines[0], done.stderr[-3000:]
     assert not list((run / "checkpoints").glob("ckpt-*"))
+
+
+class Lbfgs(TinyTrainer):
+    """tiny trained with LBFGS, whose step evaluates the loss several times."""
+
+    def create_optimizer(self, model):
+        return torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=3)
+
+
+class LbfgsClosure(Lbfgs):
+    def create_model(self):
+        model = super().create_model()
+        self.manual_optimization = True  # tiny sets it from its options there
+        return model
+
+    def train_step(self, batch):
+        x, y = batch[:2]
+
+        def closure():
+            self.optimizer.zero_grad()
+            loss = F.mse_loss(self.model(x), y)
+            self.backward(loss)
+            return loss
+
+        return self.optimizer_step(self.optimizer, closure)
+
+    def val_step(self, batch):
+        x, y = batch[:2]
+        return {"loss": F.mse_loss(self.model(x), y)}
+
+
+def test_an_optimizer_with_a_closure_trains_or_is_refused_in_one_line(tmp_path):
+    """LBFGS: the automatic step (which calls step()) refuses it at setup, saying what to
+    do; self.optimizer_step(optimizer, closure) trains with it, evaluating the closure
+    several times a step, and returns the step's first loss; with what a closure's step
+    cannot take (accumulation, fp16 scaling, --check-nans) it is one line."""
+    config = TrainConfig(run_dir=str(tmp_path / "auto"), progress="off", epochs=1)
+    with pytest.raises(UserError, match=r"LBFGS.step needs a closure .* set manual_optimiza"):
+        Lbfgs(config, TinyOptions()).fit()
+    calls = []
+
+    class Counted(LbfgsClosure):
+        def create_model(self):
+            model = super().create_model()
+            model.register_forward_hook(lambda *_: calls.append(1))
+            return model
+
+    run = tmp_path / "closure"
+    rows = Counted(TrainConfig(run_dir=str(run), progress="off", epochs=2), TinyOptions()).fit()
+    assert len(rows) == 2 and rows[1]["train_loss"] < rows[0]["train_loss"]
+    steps = rows[-1]["step"]
+    assert len(calls) > steps * 2  # several forwards a step, and the validations' too
+    for extra, said in [
+        ({"grad_accum": 2}, "--grad-accum"),
+        ({"check_nans": True}, "--check-nans"),
+    ]:
+        config = TrainConfig(run_dir=str(tmp_path / "x"), progress="off", epochs=1, **extra)
+        with pytest.raises(
+            UserError, match=f"optimizer_step.optimizer, closure. does not work with .*{said}"
+        ):
+            LbfgsClosure(config, TinyOptions()).fit()
