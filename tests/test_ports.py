@@ -32,17 +32,25 @@ LOGGED = ["--progress", "log", "--log-every", "1", *AT_ONCE]
 # globals named (the models) as they are when it ends.
 RUNNER = """
 import runpy, sys, torch
-script, out, names, *args = sys.argv[1:]
+script, out, names, vision, *args = sys.argv[1:]
+if vision:
+    sys.path.insert(0, vision)
+    from ports.vision import torchvision
+    torchvision()
 sys.argv = [script, *args]
 found = runpy.run_path(script, run_name="__main__")
 torch.save({n: found[n].state_dict() for n in names.split(",")}, out)
 """
 
 
-def run_script(script: Path, names: str, args: list[str], cwd: Path, **env: str) -> dict:
-    """The script's final weights: ``{global name: state_dict}``."""
+def run_script(
+    script: Path, names: str, args: list[str], cwd: Path, vision: bool = False, **env: str
+) -> dict:
+    """The script's final weights: ``{global name: state_dict}``. ``vision``: it imports
+    torchvision (tests/ports/vision.py says why that needs a hand here)."""
     out = cwd / "script-weights.pt"
-    done = subprocess.run([sys.executable, "-c", RUNNER, str(script), str(out), names, *args],
+    shim = str(ROOT / "tests") if vision else ""
+    done = subprocess.run([sys.executable, "-c", RUNNER, str(script), str(out), names, shim, *args],
                           cwd=cwd, env={**cli_env(), **env}, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -60,11 +68,11 @@ def assert_equal(script: dict[str, torch.Tensor], port: dict[str, torch.Tensor])
 
 
 def assert_kept_as_is(script: Path, port: str, *classes: str) -> None:
-    """The port's copy of each class is the script's text, line for line."""
+    """The port's copy of each class and function is the script's text, line for line."""
     source = script.read_text()
     tree = ast.parse(source)
     for name in classes:
-        node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+        node = next(n for n in tree.body if getattr(n, "name", None) == name)
         theirs = ast.get_source_segment(source, node)
         module = __import__(f"ports.{port}", fromlist=[name])
         assert inspect.getsource(getattr(module, name)).rstrip() == theirs, name
@@ -105,3 +113,24 @@ def test_time_sequence_prediction_lbfgs_equals_the_script(tmp_path):
     assert whole.returncode == 0, whole.stderr[-3000:]
     assert_equal(theirs, port_weights(tmp_path / "whole"))
     assert_equal(theirs, port_weights(resumed(args, "epoch 1/3 step 1/1", tmp_path)))
+
+
+def test_dcgan_on_fake_data_equals_the_script(tmp_path):
+    """Two models and two optimizers (manual optimization), detached fakes, the script's
+    weight init, fixed noise and shuffled DataLoader, noise drawn each step from torch's
+    generator: one epoch of FakeData's 1,000 images in batches of 16, with small nets.
+    Stopped by SIGUSR1 in the middle of the epoch, the resume goes on at the next batch,
+    with the generator where it was: the same weights, batch norms' statistics included."""
+    script = PORTS / "dcgan" / "main.py"
+    assert_kept_as_is(script, "dcgan", "weights_init", "Generator", "Discriminator")
+    small = ["--nz", "16", "--ngf", "8", "--ndf", "8"]
+    theirs = run_script(script, "netG,netD", ["--dataset", "fake", "--batchSize", "16", *small,
+                        "--niter", "1", "--workers", "0", "--manualSeed", "7", "--outf", "out"],
+                        tmp_path, vision=True)  # fmt: skip
+    theirs = {f"{net}.{k}": v for net, weights in theirs.items() for k, v in weights.items()}
+    args = [str(OURS / "dcgan.py"), "--epochs", "1", "--batch-size", "16", *small,
+            "--num-workers", "0", "--seed", "7"]  # fmt: skip
+    whole = run_cli(*args, "--run-dir", "whole", "--progress", "off", cwd=tmp_path)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert_equal(theirs, port_weights(tmp_path / "whole"))
+    assert_equal(theirs, port_weights(resumed(args, "epoch 1/1 step 20/63", tmp_path)))

@@ -8,6 +8,8 @@ checkpoint). ``resumed`` sets them back, draws what the loader's iterator drew (
 of its workers, then the sampler's order, consuming the trained batches' indices alone),
 puts this process's generators back as they were, and returns a loader of the remaining
 batches whose workers get the same seed. A sampler with ``set_epoch`` is told each epoch.
+Each epoch's iterator is made as a script makes it: without a generator of its own, the
+loader draws from torch's, and a port draws on from there as its script does.
 
 Exact, except where a dataset draws random numbers in loader workers: each worker's
 generators have moved by the samples it fetched, a place no checkpoint holds (``inexact``
@@ -57,14 +59,12 @@ def resumed(loader: DataLoader, began: dict[str, Any], trained: int) -> DataLoad
     set_rng_state(began["rng"])
     for generator, state in zip(made, began["generators"], strict=True):
         generator.set_state(state)
-    # as the epoch's iterator drew (samples.iterate puts torch's generator back after
-    # creating it): its workers' seed, which moves a generator of the loader's own, then
-    # the sampler's order, drawn as the iterator is made with workers, else at its first
-    # batch
+    # as the epoch's iterator drew: its workers' seed (from the loader's generator, else
+    # torch's), then the sampler's order, drawn as the iterator is made with workers,
+    # else at its first batch
     seeds = torch.Generator()
     seeds.set_state((loader.generator or torch.default_generator).get_state())
-    if loader.generator is not None or loader.num_workers > 0:
-        torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
+    torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
     order = iter(loader._index_sampler)
     for _ in range(trained):
         next(order, None)

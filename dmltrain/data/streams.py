@@ -140,7 +140,9 @@ class TrainFeed:
                 rest = own_loaders.resumed(self.loader, began, step_in_epoch * accum)
                 return iterate(rest)
             self._resume, self._began = None, own_loaders.begin(self.loader)
-            return iterate(self.loader)
+            # as the experiment's script would iterate it: a loader without a generator
+            # of its own draws its workers' seed from torch's, which moves (own_loaders)
+            return iter(self.loader)
         if not self.stream:
             sampler = self.loader.sampler
             assert isinstance(sampler, ResumableSampler)
