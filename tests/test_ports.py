@@ -8,6 +8,7 @@ The ports keep the scripts' model and loss code as it is: each test checks the c
 classes against the script's own text."""
 
 import ast
+import gzip
 import inspect
 import subprocess
 import sys
@@ -28,29 +29,41 @@ pytestmark = pytest.mark.skipif(
 OURS = ROOT / "tests" / "ports"
 LOGGED = ["--progress", "log", "--log-every", "1", *AT_ONCE]
 
-# Runs a script as `python script.py ARGS` would, then saves the state_dict of the
-# globals named (the models) as they are when it ends.
+# Runs a script as `python script.py ARGS` would, then saves the state_dict of each
+# expression named (its models, read from its globals) as they are when it ends.
 RUNNER = """
 import runpy, sys, torch
-script, out, names, vision, *args = sys.argv[1:]
+script, out, names, vision, seed, *args = sys.argv[1:]
 if vision:
     sys.path.insert(0, vision)
     from ports.vision import torchvision
     torchvision()
+if seed:
+    torch.manual_seed(int(seed))
 sys.argv = [script, *args]
 found = runpy.run_path(script, run_name="__main__")
-torch.save({n: found[n].state_dict() for n in names.split(",")}, out)
+torch.save({n: eval(n, found).state_dict() for n in names.split("|")}, out)
 """
 
 
 def run_script(
-    script: Path, names: str, args: list[str], cwd: Path, vision: bool = False, **env: str
+    script: Path,
+    names: str,
+    args: list[str],
+    cwd: Path,
+    vision: bool = False,
+    seed: int | None = None,
+    **env: str,
 ) -> dict:
-    """The script's final weights: ``{global name: state_dict}``. ``vision``: it imports
-    torchvision (tests/ports/vision.py says why that needs a hand here)."""
+    """The script's final weights: ``{expression: state_dict}`` for each of ``names``
+    (separated by |). ``vision``: it imports torchvision (tests/ports/vision.py says why
+    that needs a hand here). ``seed``: torch's generator seeded before the script runs,
+    for a script that never seeds."""
     out = cwd / "script-weights.pt"
     shim = str(ROOT / "tests") if vision else ""
-    done = subprocess.run([sys.executable, "-c", RUNNER, str(script), str(out), names, shim, *args],
+    given = "" if seed is None else str(seed)
+    command = [sys.executable, "-c", RUNNER, str(script), str(out), names, shim, given, *args]
+    done = subprocess.run(command,
                           cwd=cwd, env={**cli_env(), **env}, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
@@ -124,7 +137,7 @@ def test_dcgan_on_fake_data_equals_the_script(tmp_path):
     script = PORTS / "dcgan" / "main.py"
     assert_kept_as_is(script, "dcgan", "weights_init", "Generator", "Discriminator")
     small = ["--nz", "16", "--ngf", "8", "--ndf", "8"]
-    theirs = run_script(script, "netG,netD", ["--dataset", "fake", "--batchSize", "16", *small,
+    theirs = run_script(script, "netG|netD", ["--dataset", "fake", "--batchSize", "16", *small,
                         "--niter", "1", "--workers", "0", "--manualSeed", "7", "--outf", "out"],
                         tmp_path, vision=True)  # fmt: skip
     theirs = {f"{net}.{k}": v for net, weights in theirs.items() for k, v in weights.items()}
@@ -134,3 +147,28 @@ def test_dcgan_on_fake_data_equals_the_script(tmp_path):
     assert whole.returncode == 0, whole.stderr[-3000:]
     assert_equal(theirs, port_weights(tmp_path / "whole"))
     assert_equal(theirs, port_weights(resumed(args, "epoch 1/1 step 20/63", tmp_path)))
+
+
+def test_forward_forward_layer_local_training_equals_the_script(tmp_path):
+    """Layer-local training: each layer its own Adam and loss, no backward across layers;
+    the first layer trains 30 times on one batch, then the second on its outputs. The
+    script never seeds: torch 2.13 starts each process from a seed of its own choosing, so
+    two runs of the script differ. Given torch.manual_seed(5) before it runs, it equals the
+    port's --seed 5 bit for bit, and so does the port stopped in the middle of the first
+    layer and resumed (the inputs drawn at the first step come back from the checkpoint)."""
+    script = PORTS / "mnist_forward_forward" / "main.py"
+    assert_kept_as_is(script, "forward_forward", "get_y_neg", "overlay_y_on_x", "Net", "Layer")
+    raw = tmp_path / "data" / "MNIST" / "raw"  # torchvision's MNIST reads these, unzipped
+    raw.mkdir(parents=True)
+    for packed in (ROOT / "experiments" / "mnist_sample").glob("*.gz"):
+        (raw / packed.stem).write_bytes(gzip.decompress(packed.read_bytes()))
+    layers = "torch.nn.ModuleList(net.layers)"  # the script's Net keeps them in a list
+    sizes = ["--train_size", "200", "--test_size", "100"]
+    theirs = run_script(script, layers, ["--epochs", "30", *sizes], tmp_path, vision=True,
+                        seed=5)[layers]  # fmt: skip
+    args = [str(OURS / "forward_forward.py"), "--layer-epochs", "30", "--train-size", "200",
+            "--test-size", "100", "--seed", "5"]  # fmt: skip
+    whole = run_cli(*args, "--run-dir", "whole", "--progress", "off", cwd=tmp_path)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert_equal(theirs, port_weights(tmp_path / "whole"))
+    assert_equal(theirs, port_weights(resumed(args, "epoch 1/2 step 10/30", tmp_path)))
