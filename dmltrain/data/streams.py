@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from dmltrain.config import LoopConfig
 from dmltrain.data import own_loaders
-from dmltrain.data.samples import ResumableSampler, iterate
+from dmltrain.data.samples import ResumableSampler, ShardSampler, iterate
 from dmltrain.errors import UserError
 
 EXTRA = "pip install 'dmltrain[streaming]'"
@@ -109,7 +109,10 @@ def begin_pass(loader: DataLoader, number: int) -> Iterator[Any]:
 
 def evaluation_pass(loader: DataLoader) -> Iterator[Any]:
     """The batches of one validation or test pass: a stream begins it anew (the same pass
-    each time)."""
+    each time). An experiment's own loader over map-style data is iterated as its script
+    would: without a generator of its own, it draws from torch's (own_loaders)."""
+    if not is_stream(loader.dataset) and not isinstance(loader.sampler, ShardSampler):
+        return iter(loader)
     return begin_pass(loader, 0)
 
 
