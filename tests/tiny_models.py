@@ -27,8 +27,9 @@ class ModelOptions:
     schedule: str = field(
         default="",
         metadata={
-            "help": "cosine or step: a schedule stepped each step, sized by total_steps;"
-            " plateau: ReduceLROnPlateau on val_loss"
+            "help": "cosine, step, lambda, warm-restarts, sequential, chained or one-cycle: "
+            "a schedule stepped each step, sized by total_steps; plateau: ReduceLROnPlateau "
+            "on val_loss"
         },
     )
     two_optimizers: str = field(
@@ -160,6 +161,20 @@ def scheduler(optimizer, o: ModelOptions, total_steps: int):
         return lr.ReduceLROnPlateau(optimizer, mode="max", factor=0.5, patience=0)
     if o.schedule == "cosine":
         return lr.CosineAnnealingLR(optimizer, T_max=total_steps)
+    if o.schedule == "lambda":  # a lambda: LambdaLR's state leaves it out, create_scheduler
+        return lr.LambdaLR(optimizer, lambda step: 0.95**step)  # makes it again
+    if o.schedule == "warm-restarts":
+        return lr.CosineAnnealingWarmRestarts(optimizer, T_0=5, T_mult=2)
+    if o.schedule == "sequential":
+        warmup = lr.LinearLR(optimizer, start_factor=0.1, total_iters=5)
+        cosine = lr.CosineAnnealingLR(optimizer, T_max=total_steps - 5)
+        return lr.SequentialLR(optimizer, [warmup, cosine], milestones=[5])
+    if o.schedule == "chained":
+        return lr.ChainedScheduler(
+            [lr.ConstantLR(optimizer, factor=0.5, total_iters=4), lr.ExponentialLR(optimizer, 0.97)]
+        )
+    if o.schedule == "one-cycle":
+        return lr.OneCycleLR(optimizer, 0.01, total_steps=total_steps)
     if o.schedule:
         return lr.StepLR(optimizer, step_size=max(1, total_steps // 3), gamma=0.1)
     return lr.OneCycleLR(optimizer, 0.01, total_steps=total_steps)  # raises past total_steps

@@ -20,9 +20,18 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from dmltrain.errors import UserError
 
-# a scheduler's state that says where it is, not what the schedule is
+# a scheduler's state that says where it is, not what the schedule is (T_cur and T_i:
+# CosineAnnealingWarmRestarts' place in its cycle and the cycle's length)
 POSITION = frozenset(
-    {"last_epoch", "_step_count", "_last_lr", "_get_lr_called_within_step", "_is_initial"}
+    {
+        "last_epoch",
+        "_step_count",
+        "_last_lr",
+        "_get_lr_called_within_step",
+        "_is_initial",
+        "T_cur",
+        "T_i",
+    }
 )
 
 

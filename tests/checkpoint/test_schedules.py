@@ -95,3 +95,26 @@ def test_reduce_lr_on_plateau_steps_on_each_validation_and_resumes_bitwise(tmp_p
     again = run_cli(*args, "--run-dir", "cut", cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     assert_same_run(tmp_path / "whole", tmp_path / "cut")
+
+
+@pytest.mark.parametrize(
+    "schedule", ["one-cycle", "sequential", "chained", "lambda", "warm-restarts"]
+)
+def test_each_scheduler_of_the_table_resumes_mid_epoch_bitwise(tmp_path, schedule):
+    """docs/long-runs.md's table of schedulers: each stepped every step, stopped in the
+    middle of epoch 2 (SIGUSR1) and resumed, ends bitwise equal to the run never stopped,
+    its rate changing along the way, and with no line about a changed schedule (the
+    restored one is the one built)."""
+    from helpers import AT_ONCE, assert_same_run, log_numbers
+
+    args = [*TINY, "--schedule", schedule, "--epochs", "2"]
+    whole = run_cli(*args, "--run-dir", "whole", cwd=tmp_path)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert len({row["lr"] for row in log_numbers(tmp_path / "whole")}) == 2
+    stop = ["--signal-rank", "0", "--signal-at-step", "17", *AT_ONCE]  # 5 steps into epoch 2
+    cut = run_cli(*args, "--run-dir", "cut", *stop, cwd=tmp_path)
+    assert cut.returncode == 3, cut.stderr[-3000:]
+    again = run_cli(*args, "--run-dir", "cut", "--progress", "log", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "LR schedule is not the one" not in again.stdout + again.stderr
+    assert_same_run(tmp_path / "whole", tmp_path / "cut")
