@@ -205,28 +205,35 @@ def _semaphores() -> set[str]:
 def _hand_back(before: set[str]) -> None:
     """After a rank was killed and the others left: its semaphores (made since ``before``,
     by this user, mapped by no live process) unlinked and struck from the resource tracker,
-    which would clean them up at its end with a "leaked semaphore objects" warning."""
+    which would clean them up at its end with a "leaked semaphore objects" warning.
+
+    A semaphore is told in use by its inode in the processes' memory maps: glibc maps a new
+    one under a temporary name before linking it, so its maker's map never shows its name."""
     import _multiprocessing
     from multiprocessing import resource_tracker
 
-    left = {name for name in _semaphores() - before if _ours(f"/dev/shm/sem.{name[1:]}")}
+    left = {}
+    for name in _semaphores() - before:
+        with contextlib.suppress(OSError):
+            info = os.stat(f"/dev/shm/sem.{name[1:]}")
+            if info.st_uid == os.getuid():
+                left[name] = info.st_ino
     if not left:
         return
+    used: set[int] = set()
     with contextlib.suppress(OSError):
         for entry in os.scandir("/proc"):
             if entry.name.isdigit():
                 with contextlib.suppress(OSError), open(f"/proc/{entry.name}/maps") as maps:
-                    left -= {name for name in left if f"sem.{name[1:]}" in maps.read()}
-    for name in left:
-        with contextlib.suppress(OSError):
-            _multiprocessing.sem_unlink(name)
-            resource_tracker.unregister(name, "semaphore")
-
-
-def _ours(path: str) -> bool:
-    with contextlib.suppress(OSError):
-        return os.stat(path).st_uid == os.getuid()
-    return False
+                    for line in maps:
+                        fields = line.split(maxsplit=5)
+                        if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
+                            used.add(int(fields[4]))
+    for name, inode in left.items():
+        if inode not in used:
+            with contextlib.suppress(OSError):
+                _multiprocessing.sem_unlink(name)
+                resource_tracker.unregister(name, "semaphore")
 
 
 _PR_SET_CHILD_SUBREAPER = 36  # prctl(2), Linux

@@ -325,3 +325,22 @@ def test_workers_with_loader_workers_hand_back_their_semaphores(tmp_path):
     done = run_fresh(args, tmp_path, cli_env())  # its own resource tracker, not a zygote's
     assert done.returncode == 0, done.stderr[-3000:]
     assert "leaked" not in done.stderr and "Warning" not in done.stderr, done.stderr[-3000:]
+
+
+def test_semaphores_a_live_process_holds_are_never_handed_back():
+    """_hand_back unlinks a killed rank's semaphores, not those of processes still running
+    beside it (another run's loader workers): every semaphore this process holds stays. It
+    read each process's memory map once for the first semaphore only, and unlinked the
+    others of live processes, whose loaders then failed."""
+    import multiprocessing
+
+    from dmltrain.runtime import processes
+
+    before = processes._semaphores()
+    spawn = multiprocessing.get_context("spawn")  # named semaphores, kept until released
+    held = [spawn.Semaphore() for _ in range(3)]
+    names = {lock._semlock.name for lock in held}
+    assert names <= processes._semaphores()
+    processes._hand_back(before)
+    assert names <= processes._semaphores()
+    del held
