@@ -205,21 +205,28 @@ def _semaphores() -> set[str]:
 def _hand_back(before: set[str]) -> None:
     """After a rank was killed and the others left: its semaphores (made since ``before``,
     by this user, mapped by no live process) unlinked and struck from the resource tracker,
-    which would clean them up at its end with a "leaked semaphore objects" warning.
-
-    A semaphore is told in use by its inode in the processes' memory maps: glibc maps a new
-    one under a temporary name before linking it, so its maker's map never shows its name."""
+    which would clean them up at its end with a "leaked semaphore objects" warning."""
     import _multiprocessing
     from multiprocessing import resource_tracker
 
+    for name in unheld(_semaphores() - before):
+        with contextlib.suppress(OSError):
+            _multiprocessing.sem_unlink(name)
+            resource_tracker.unregister(name, "semaphore")
+
+
+def unheld(names: set[str]) -> list[str]:
+    """Of the semaphores ``names``, those of this user that no live process maps. A
+    semaphore is told by its inode in the processes' memory maps: glibc maps a new one
+    under a temporary name before linking it, so its maker's map never shows its name."""
     left = {}
-    for name in _semaphores() - before:
+    for name in names:
         with contextlib.suppress(OSError):
             info = os.stat(f"/dev/shm/sem.{name[1:]}")
             if info.st_uid == os.getuid():
                 left[name] = info.st_ino
     if not left:
-        return
+        return []
     used: set[int] = set()
     with contextlib.suppress(OSError):
         for entry in os.scandir("/proc"):
@@ -229,11 +236,7 @@ def _hand_back(before: set[str]) -> None:
                         fields = line.split(maxsplit=5)
                         if len(fields) == 6 and fields[5].startswith("/dev/shm/"):
                             used.add(int(fields[4]))
-    for name, inode in left.items():
-        if inode not in used:
-            with contextlib.suppress(OSError):
-                _multiprocessing.sem_unlink(name)
-                resource_tracker.unregister(name, "semaphore")
+    return [name for name, inode in left.items() if inode not in used]
 
 
 _PR_SET_CHILD_SUBREAPER = 36  # prctl(2), Linux

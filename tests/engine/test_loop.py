@@ -129,8 +129,8 @@ class Tokens(BaseTrainer):
         SEEN.append(f"validation end, best so far {self.best_value}")
 
     def on_epoch_end(self, epoch, row):
-        SEEN.append(f"epoch end, best {self.best_value == min_loss(self.run_dir)}")
-        if self.dist.is_main:
+        if self.dist.is_main:  # rank 0 writes the training log
+            SEEN.append(f"epoch end, best {self.best_value == min_loss(self.run_dir)}")
             (self.run_dir / "seen.json").write_text(json.dumps(SEEN))
 
 
