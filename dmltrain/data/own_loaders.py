@@ -16,9 +16,11 @@ generators have moved by the samples it fetched, a place no checkpoint holds (``
 says so). dmltrain's own loader seeds each sample instead (``samples``).
 """
 
+import random
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Sampler
 
@@ -102,9 +104,29 @@ class _Rest(Sampler[Any]):
         return self.length
 
 
+def _own_generator(loader: DataLoader) -> str | None:
+    """``Sampler.attribute`` of a sampler of ``loader`` that holds a generator of its own
+    other than a ``torch.Generator`` (Python's ``random.Random``, numpy's): no checkpoint
+    keeps where it is."""
+    batch_sampler = getattr(loader, "batch_sampler", None)
+    for owner in (loader.sampler, batch_sampler, getattr(batch_sampler, "sampler", None)):
+        for attribute, value in vars(owner).items() if hasattr(owner, "__dict__") else ():
+            if isinstance(value, random.Random | np.random.Generator | np.random.RandomState):
+                return f"{type(owner).__name__}.{attribute}"
+    return None
+
+
 def inexact(loader: DataLoader) -> str | None:
     """Why the rest of an epoch of ``loader`` cannot be drawn as it would have been, or
-    None: a dataset that may draw random numbers, fetched in loader workers."""
+    None: a sampler that draws from a generator of its own that no checkpoint keeps, or a
+    dataset that may draw random numbers, fetched in loader workers."""
+    held = _own_generator(loader)
+    if held is not None:
+        return (
+            f"create_dataloader's sampler draws from a generator of its own ({held}) that no "
+            "checkpoint keeps: the rest of this epoch comes in another order. Give the "
+            "sampler a torch.Generator, or let it draw from torch's, which resume exactly"
+        )
     dataset = loader.dataset
     if loader.num_workers == 0 or not (isinstance(dataset, SeededSamples) and dataset.seeded):
         return None

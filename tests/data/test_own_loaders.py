@@ -2,6 +2,7 @@
 of an epoch (SIGUSR1) resumes at the next batch, with the same order, the same worker
 seeds and no batch trained twice; the epoch ends at its own last step."""
 
+import random
 from pathlib import Path
 
 import pytest
@@ -74,3 +75,32 @@ def test_a_dataset_that_draws_in_loader_workers_is_said_inexact():
     assert said is not None and said.startswith(
         "create_dataloader's loader fetches Augmented in 2 workers, whose random draws"
     )
+
+
+class OwnRandom(torch.utils.data.Sampler):
+    """A sampler that shuffles with a random.Random of its own: where it is in its stream
+    of draws is in no checkpoint."""
+
+    def __init__(self, n):
+        self.n, self.rng = n, random.Random(0)
+
+    def __iter__(self):
+        order = list(range(self.n))
+        self.rng.shuffle(order)
+        return iter(order)
+
+    def __len__(self):
+        return self.n
+
+
+def test_a_sampler_with_a_generator_of_its_own_is_said_inexact():
+    """A resumed epoch of it would come in another order, silently: the resume says so and
+    what to give instead. A torch.Generator (kept) is exact and says nothing."""
+    plain = TensorDataset(torch.zeros(8, 2))
+    said = own_loaders.inexact(DataLoader(plain, sampler=OwnRandom(8)))
+    assert said is not None and said.startswith(
+        "create_dataloader's sampler draws from a generator of its own (OwnRandom.rng)"
+    )
+    kept = torch.utils.data.RandomSampler(plain, generator=torch.Generator().manual_seed(0))
+    assert own_loaders.inexact(DataLoader(plain, sampler=kept)) is None
+    assert own_loaders.inexact(DataLoader(plain, shuffle=True)) is None
