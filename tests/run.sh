@@ -49,6 +49,14 @@ else
     # The peers the benchmarks compare with (their quick mode is part of the suite).
     python3 -m pip install --quiet --disable-pip-version-check -r benchmarks/requirements.txt \
         || exit 1
+    # torchvision for the published scripts the ports are compared with (tests/test_ports.py),
+    # in a folder of its own: PyPI's wheels are built for CUDA torch, and installed beside
+    # the CPU build their import fails, which breaks torchmetrics (it imports torchvision
+    # where one is installed). tests/ports/vision.py imports it for the ports alone.
+    if [ ! -d build/torchvision/torchvision ]; then
+        python3 -m pip install --quiet --disable-pip-version-check --no-deps \
+            --target build/torchvision torchvision==0.28.0 || exit 1
+    fi
     bash environment/install_horovod.sh || exit 1
     bash tests/cluster/start_local_slurm.sh || exit 1
     bash tests/cluster/two_node_slurm.sh up || exit 1

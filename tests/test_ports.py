@@ -9,7 +9,7 @@ classes against the script's own text."""
 
 import ast
 import gzip
-import inspect
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import AT_ONCE, ROOT, cli_env, run_cli, signal_at_line
+from helpers import AT_ONCE, REQUIRE_ALL, ROOT, cli_env, run_cli, signal_at_line
 
 from dmltrain.checkpoint.storage import load_file
 
@@ -27,6 +27,7 @@ pytestmark = pytest.mark.skipif(
     reason=f"{PORTS} (the published scripts these ports are compared with) is not here",
 )
 OURS = ROOT / "tests" / "ports"
+TORCHVISION = ROOT / "build" / "torchvision"
 LOGGED = ["--progress", "log", "--log-every", "1", *AT_ONCE]
 
 # Runs a script as `python script.py ARGS` would, then saves the state_dict of each
@@ -83,22 +84,36 @@ def assert_equal(script: dict[str, torch.Tensor], port: dict[str, torch.Tensor])
     assert not unequal, f"not bitwise equal: {unequal}"
 
 
-def assert_kept_as_is(script: Path, port: str, *classes: str) -> None:
+def assert_kept_as_is(script: Path, port: str, *names: str) -> None:
     """The port's copy of each class and function is the script's text, line for line."""
-    source = script.read_text()
-    tree = ast.parse(source)
-    for name in classes:
-        node = next(n for n in tree.body if getattr(n, "name", None) == name)
-        theirs = ast.get_source_segment(source, node)
-        module = __import__(f"ports.{port}", fromlist=[name])
-        assert inspect.getsource(getattr(module, name)).rstrip() == theirs, name
+
+    def defined(path: Path) -> dict[str, str]:
+        source = path.read_text()
+        nodes = ast.parse(source).body
+        return {n.name: ast.get_source_segment(source, n) for n in nodes if hasattr(n, "name")}
+
+    theirs, ours = defined(script), defined(OURS / f"{port}.py")
+    for name in names:
+        assert ours[name] == theirs[name], name
 
 
-def resumed(args: list[str], line: str, cwd: Path) -> Path:
+def vision() -> dict[str, str]:
+    """The environment in which a script or port imports torchvision: tests/run.sh installs
+    it in build/torchvision, out of the environment (tests/ports/vision.py says why)."""
+    if not (TORCHVISION / "torchvision").is_dir():
+        message = f"torchvision is not in {TORCHVISION}; tests/run.sh installs it there"
+        if REQUIRE_ALL:
+            pytest.fail(message)
+        pytest.skip(message)
+    return {"PYTHONPATH": os.pathsep.join([str(TORCHVISION), cli_env()["PYTHONPATH"]])}
+
+
+def resumed(args: list[str], line: str, cwd: Path, **env: str) -> Path:
     """The port stopped by SIGUSR1 once it prints ``line``, then run again to its end."""
-    status, err = signal_at_line([*args, *LOGGED, "--run-dir", "cut"], line, "SIGUSR1", cwd)
+    status, err = signal_at_line([*args, *LOGGED, "--run-dir", "cut"], line, "SIGUSR1", cwd,
+                                 **env)  # fmt: skip
     assert status == 3, err[-3000:]
-    again = run_cli(*args, "--run-dir", "cut", "--progress", "off", cwd=cwd)
+    again = run_cli(*args, "--run-dir", "cut", "--progress", "off", cwd=cwd, **env)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "resuming from" in again.stdout + again.stderr
     return cwd / "cut"
@@ -137,19 +152,20 @@ def test_dcgan_on_fake_data_equals_the_script(tmp_path):
     generator: one epoch of FakeData's 1,000 images in batches of 16, with small nets.
     Stopped by SIGUSR1 in the middle of the epoch, the resume goes on at the next batch,
     with the generator where it was: the same weights, batch norms' statistics included."""
+    env = vision()
     script = PORTS / "dcgan" / "main.py"
     assert_kept_as_is(script, "dcgan", "weights_init", "Generator", "Discriminator")
     small = ["--nz", "16", "--ngf", "8", "--ndf", "8"]
     theirs = run_script(script, "netG|netD", ["--dataset", "fake", "--batchSize", "16", *small,
                         "--niter", "1", "--workers", "0", "--manualSeed", "7", "--outf", "out"],
-                        tmp_path, vision=True)  # fmt: skip
+                        tmp_path, vision=True, **env)  # fmt: skip
     theirs = {f"{net}.{k}": v for net, weights in theirs.items() for k, v in weights.items()}
     args = [str(OURS / "dcgan.py"), "--epochs", "1", "--batch-size", "16", *small,
             "--num-workers", "0", "--seed", "7"]  # fmt: skip
-    whole = run_cli(*args, "--run-dir", "whole", "--progress", "off", cwd=tmp_path)
+    whole = run_cli(*args, "--run-dir", "whole", "--progress", "off", cwd=tmp_path, **env)
     assert whole.returncode == 0, whole.stderr[-3000:]
     assert_equal(theirs, port_weights(tmp_path / "whole"))
-    assert_equal(theirs, port_weights(resumed(args, "epoch 1/1 step 20/63", tmp_path)))
+    assert_equal(theirs, port_weights(resumed(args, "epoch 1/1 step 20/63", tmp_path, **env)))
 
 
 def test_forward_forward_layer_local_training_equals_the_script(tmp_path):
@@ -159,6 +175,7 @@ def test_forward_forward_layer_local_training_equals_the_script(tmp_path):
     two runs of the script differ. Given torch.manual_seed(5) before it runs, it equals the
     port's --seed 5 bit for bit, and so does the port stopped in the middle of the first
     layer and resumed (the inputs drawn at the first step come back from the checkpoint)."""
+    env = vision()
     script = PORTS / "mnist_forward_forward" / "main.py"
     assert_kept_as_is(script, "forward_forward", "get_y_neg", "overlay_y_on_x", "Net", "Layer")
     raw = tmp_path / "data" / "MNIST" / "raw"  # torchvision's MNIST reads these, unzipped
@@ -168,13 +185,13 @@ def test_forward_forward_layer_local_training_equals_the_script(tmp_path):
     layers = "torch.nn.ModuleList(net.layers)"  # the script's Net keeps them in a list
     sizes = ["--train_size", "200", "--test_size", "100"]
     theirs = run_script(script, layers, ["--epochs", "30", *sizes], tmp_path, vision=True,
-                        seed=5)[layers]  # fmt: skip
+                        seed=5, **env)[layers]  # fmt: skip
     args = [str(OURS / "forward_forward.py"), "--layer-epochs", "30", "--train-size", "200",
             "--test-size", "100", "--seed", "5"]  # fmt: skip
-    whole = run_cli(*args, "--run-dir", "whole", "--progress", "off", cwd=tmp_path)
+    whole = run_cli(*args, "--run-dir", "whole", "--progress", "off", cwd=tmp_path, **env)
     assert whole.returncode == 0, whole.stderr[-3000:]
     assert_equal(theirs, port_weights(tmp_path / "whole"))
-    assert_equal(theirs, port_weights(resumed(args, "epoch 1/2 step 10/30", tmp_path)))
+    assert_equal(theirs, port_weights(resumed(args, "epoch 1/2 step 10/30", tmp_path, **env)))
 
 
 # The script's FakeData has 1,281,167 images of 224 x 224 (days an epoch on a CPU) and no
@@ -199,15 +216,16 @@ def test_imagenet_on_dummy_data_equals_the_script(tmp_path):
     so its --multiprocessing-distributed ranks train apart, each on its own shard; and it
     counts one process per node there. The port's ranks average their gradients, as the
     script's do on GPUs."""
+    env = vision()
     script = PORTS / "imagenet" / "main.py"
     assert_kept_as_is(script, "imagenet", "accuracy")
     run_script(script, "", ["--dummy", "--epochs", "2", "-b", "8", "-j", "0", "--seed", "3"],
-               tmp_path, vision=True, prelude=SMALLER)  # fmt: skip
+               tmp_path, vision=True, prelude=SMALLER, **env)  # fmt: skip
     theirs = torch.load(tmp_path / "checkpoint.pth.tar", weights_only=True)["state_dict"]
     args = [str(OURS / "imagenet.py"), "--epochs", "2", "--batch-size", "8", "--num-workers",
             "0", "--seed", "3", "--train-samples", "64", "--val-samples", "32",
             "--image-size", "64"]  # fmt: skip
-    whole = run_cli(*args, "--run-dir", "whole", "--progress", "off", cwd=tmp_path)
+    whole = run_cli(*args, "--run-dir", "whole", "--progress", "off", cwd=tmp_path, **env)
     assert whole.returncode == 0, whole.stderr[-3000:]
     assert_equal(theirs, port_weights(tmp_path / "whole"))
-    assert_equal(theirs, port_weights(resumed(args, "epoch 2/2 step 3/8", tmp_path)))
+    assert_equal(theirs, port_weights(resumed(args, "epoch 2/2 step 3/8", tmp_path, **env)))

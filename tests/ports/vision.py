@@ -5,7 +5,11 @@ compiled ops do not load, and torchvision's import then fails registering two of
 (``operator torchvision::nms does not exist``). The ports and their scripts use none of
 its compiled ops (datasets, transforms, models, ``save_image``), so where the import fails
 so, the two ops' schemas are declared and torchvision imported again: its Python parts
-work, and a compiled op raises torchvision's own "Couldn't load custom C++ ops"."""
+work, and a compiled op raises torchvision's own "Couldn't load custom C++ ops".
+
+Installed beside the CPU build, such a torchvision breaks every import of it, torchmetrics'
+among them: tests/run.sh installs it in build/torchvision, which tests/test_ports.py puts
+on the path of the scripts and ports alone."""
 
 import sys
 
