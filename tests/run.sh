@@ -5,8 +5,9 @@
 #   bash tests/run.sh --quick [pytest args]    # the quick tier: minutes, no cluster
 #
 # The whole suite installs (as root, on Debian/Ubuntu): OpenMPI, Slurm + munge, dmltrain
-# with its dev extra, Horovod 0.28.1 built against the installed torch (cached), and starts
-# a single-node Slurm cluster and a two-node one made of network namespaces. Its modules
+# with its dev extra, Horovod 0.28.1 built against the installed torch (cached), torchvision
+# in build/torchvision (the ported scripts' tests/test_ports.py), and starts a single-node
+# Slurm cluster and a two-node one made of network namespaces. Its modules
 # run side by side (pytest-xdist): much of it waits on Slurm, timeouts and signals while
 # the cores idle. The quick tier installs dmltrain with its dev extra only and runs the
 # tests marked `quick` (the mechanics of every module, with no Slurm, MPI or second node).
