@@ -133,9 +133,8 @@ class LoopConfig:
     seed_once: bool = field(
         default=False,
         metadata={
-            "help": "seed torch, numpy and Python once from --seed before create_model and "
-            "draw on, as a script that seeds once does (default: torch before create_model, "
-            "then all three again from seed + rank)"
+            "help": "seed torch, numpy and Python once from --seed before create_model, as "
+            "a script does (default: torch before it, all three from seed + rank after)"
         },
     )
     run_dir: str | None = field(
